@@ -1,0 +1,29 @@
+# eyas: `make demo` runs the pipeline on the tiny target; `make test` runs the tests.
+# Both create the virtual environment and install everything on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test install target bench clean-demo
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/eyas demo $(if $(APPROVE),--approve $(APPROVE))
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+target: $(STAMP)
+	$(BIN)/python scripts/build_tiny_target.py --out fixtures/tiny-target
+
+clean-demo:
+	rm -rf runs/demo

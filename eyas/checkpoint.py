@@ -1,0 +1,232 @@
+"""Durable training checkpoints: `output_dir/checkpoints/step-00001234/`.
+
+Each checkpoint is written into a temporary sibling directory, every file fsynced, the directory
+renamed into place and fsynced, and only then the `COMPLETE` marker written (and fsynced). A
+directory without the marker is never loaded: a crash at any instant leaves either the previous
+complete checkpoint or the new one. Contents:
+
+  model.safetensors    the full draft state dict (embed_tokens, d2t, t2d included)
+  arch.json            {"arch": DraftArch.to_dict(), "aux_layer_ids", "layer_id_convention",
+                        "target_fingerprint"}; the exporter reads this and model.safetensors
+  optimizer.pt         optimizer.state_dict()
+  scheduler.pt         lr scheduler state_dict()
+  rng.pt               torch (and CUDA) RNG states
+  trainer_state.json   {"step", "samples_consumed", "epoch", "world_size", ...}
+  COMPLETE             written last
+
+Everything is read back with `torch.load(..., weights_only=True)` and strict key checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.draft import DraftArch, Eagle3Draft
+from eyas.target import LAYER_ID_CONVENTION
+
+CHECKPOINTS_DIR = "checkpoints"
+COMPLETE_MARKER = "COMPLETE"
+MODEL_FILE = "model.safetensors"
+ARCH_FILE = "arch.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+TEMP_PREFIX = ".tmp-"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, or does not match what is being loaded into."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path, bool]]:
+    """(step, dir, complete) for every `step-NNNNNNNN` dir, by step; temporary dirs are skipped."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child, (child / COMPLETE_MARKER).is_file()))
+    return sorted(found)
+
+
+def latest_complete(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None when there is none."""
+    complete = [path for _, path, done in list_checkpoints(output_dir) if done]
+    return complete[-1] if complete else None
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    draft: Eagle3Draft,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer_state: dict,
+    aux_layer_ids: list[int],
+    target_fingerprint: str,
+    keep_last: int,
+) -> Path:
+    """Write step `step` durably (see the module docstring), then keep only the newest `keep_last`."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    temp = root / f"{TEMP_PREFIX}{final.name}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    save_file(state, temp / MODEL_FILE, metadata={"format": "eyas"})
+    arch = {
+        "arch": draft.arch.to_dict(),
+        "aux_layer_ids": list(aux_layer_ids),
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "target_fingerprint": target_fingerprint,
+    }
+    _write_json(temp / ARCH_FILE, arch)
+    torch.save(optimizer.state_dict(), temp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), temp / "scheduler.pt")
+    torch.save(rng_state(), temp / "rng.pt")
+    _write_json(temp / TRAINER_STATE_FILE, {**trainer_state, "step": step})
+    for path in temp.iterdir():
+        _fsync_file(path)
+    _fsync_dir(temp)
+    if final.exists():  # an incomplete dir left by a crash, or a step being re-saved
+        shutil.rmtree(final)
+    temp.rename(final)
+    _fsync_dir(root)
+    (final / COMPLETE_MARKER).write_text(f"{step}\n")
+    _fsync_file(final / COMPLETE_MARKER)
+    _fsync_dir(final)
+    rotate_checkpoints(output_dir, keep_last)
+    return final
+
+
+def rotate_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints, plus older incomplete and temp dirs."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: expected at least 1 (the newest checkpoint is never deleted)")
+    entries = list_checkpoints(output_dir)
+    complete = [(step, path) for step, path, done in entries if done]
+    keep = {path for _, path in complete[-keep_last:]}
+    newest = complete[-1][0] if complete else -1
+    doomed = [path for step, path, done in entries if path not in keep and (done or step < newest)]
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    doomed += [p for p in root.iterdir() if p.name.startswith(TEMP_PREFIX)] if root.is_dir() else []
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def _require_complete(checkpoint_dir: Path) -> None:
+    if not (checkpoint_dir / COMPLETE_MARKER).is_file():
+        raise CheckpointError(
+            f"checkpoint {checkpoint_dir}: no {COMPLETE_MARKER} marker; it was not written completely "
+            f"(crash during save); use latest_complete(output_dir) to pick a complete one"
+        )
+
+
+def read_arch(checkpoint_dir: str | Path) -> dict:
+    """arch.json of a checkpoint, with `arch` as a `DraftArch`."""
+    meta = json.loads((Path(checkpoint_dir) / ARCH_FILE).read_text())
+    meta["arch"] = DraftArch(**meta["arch"])
+    return meta
+
+
+def load_model_state(draft: Eagle3Draft, checkpoint_dir: str | Path) -> None:
+    """Load model.safetensors into `draft`: every key and shape must match, else one sorted error."""
+    path = Path(checkpoint_dir) / MODEL_FILE
+    state = load_file(path)
+    expected = draft.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path}: missing keys {missing}, unexpected keys {unexpected}; expected exactly "
+            f"the eyas draft state dict (see eyas/draft.py); the file is not an eyas draft checkpoint "
+            f"or was written by another version"
+        )
+    wrong = sorted(
+        f"{k} {list(v.shape)} (expected {list(expected[k].shape)})"
+        for k, v in state.items()
+        if v.shape != expected[k].shape
+    )
+    if wrong:
+        raise CheckpointError(f"checkpoint {path}: wrong shapes {wrong}; its arch.json does not describe these weights")
+    draft.load_state_dict(state, strict=True)
+
+
+def load_draft(checkpoint_dir: str | Path) -> tuple[Eagle3Draft, dict]:
+    """A complete checkpoint's draft (embeddings frozen) and its arch.json (+ trainer_state)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    _require_complete(checkpoint_dir)
+    meta = read_arch(checkpoint_dir)
+    draft = Eagle3Draft(meta["arch"])
+    load_model_state(draft, checkpoint_dir)
+    draft.freeze_embeddings()
+    meta["trainer_state"] = json.loads((checkpoint_dir / TRAINER_STATE_FILE).read_text())
+    return draft, meta
+
+
+def load_training_state(
+    checkpoint_dir: str | Path,
+    *,
+    draft: Eagle3Draft,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict:
+    """Restore model, optimizer, scheduler and RNG from a complete checkpoint; returns trainer_state."""
+    checkpoint_dir = Path(checkpoint_dir)
+    _require_complete(checkpoint_dir)
+    saved = read_arch(checkpoint_dir)["arch"]
+    if saved != draft.arch:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_dir}: trained with arch {saved.to_dict()}, the job builds "
+            f"{draft.arch.to_dict()}; resume with the same draft config or use a new output_dir"
+        )
+    load_model_state(draft, checkpoint_dir)
+    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(checkpoint_dir / "scheduler.pt", map_location="cpu", weights_only=True))
+    set_rng_state(torch.load(checkpoint_dir / "rng.pt", map_location="cpu", weights_only=True))
+    return json.loads((checkpoint_dir / TRAINER_STATE_FILE).read_text())

@@ -1,0 +1,203 @@
+"""The one configuration tree of eyas (strict pydantic: unknown fields are errors).
+
+The flows take `RunConfig` as their parameter (the Prefect UI renders it as a form), the presets
+in `deployments/` are JSON instances of it, and the trainer receives a `TrainJob` as one JSON
+file. Paths inside a run live under `RunConfig.workdir` and are named by `RunPaths`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetConfig(StrictModel):
+    model_path: str = Field(description="Hugging Face model directory of the target LLM")
+    aux_layer_ids: list[int] | None = Field(
+        default=None,
+        description="aux layers, as indices into HF outputs.hidden_states (0 = embeddings); "
+        "None = EAGLE-3 default [2, N//2, N-3]",
+    )
+    dtype: DType = Field(default="float32", description="dtype the target runs in")
+
+
+class DatasetConfig(StrictModel):
+    prompts_path: str = Field(description="JSONL of {id, conversations:[{role, content}]}")
+    num_samples: int = Field(default=0, ge=0, description="use the first N prompts; 0 = all")
+    max_new_tokens: int = Field(default=64, ge=1, le=8192, description="response tokens regenerated per prompt")
+    max_length: int = Field(default=512, ge=8, description="tokens per sample after truncation")
+    draft_vocab_size: int = Field(default=1024, ge=2, description="size of the draft's output vocabulary")
+    max_empty_mask_fraction: float = Field(
+        default=0.05, ge=0, le=1, description="fail when more samples than this have no loss-masked token"
+    )
+    generate_batch_size: int = Field(default=16, ge=1, description="prompts per generation batch")
+
+
+class ExtractConfig(StrictModel):
+    backend: Literal["hf"] = Field(default="hf", description="hidden-state backend")
+    shard_bytes: int = Field(default=1 << 30, ge=1 << 16, description="target size of one shard file")
+    batch_size: int = Field(default=8, ge=1, description="samples per forward pass")
+    dtype: DType = Field(default="float32", description="dtype of stored hidden states")
+
+
+class VerifyConfig(StrictModel):
+    mode: Literal["cheap", "full"] = Field(default="full", description="cheap: headers + manifest; full: every byte")
+
+
+class DraftConfig(StrictModel):
+    """Shape of the EAGLE-3 draft's single decoder layer; hidden size is the target's."""
+
+    num_attention_heads: int = Field(default=4, ge=1)
+    num_key_value_heads: int = Field(default=2, ge=1)
+    head_dim: int = Field(default=32, ge=8)
+    intermediate_size: int = Field(default=512, ge=8)
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    max_position_embeddings: int = Field(default=2048, ge=16)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "DraftConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"draft.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"draft.num_key_value_heads={self.num_key_value_heads}; pick a divisor"
+            )
+        return self
+
+
+class TrainConfig(StrictModel):
+    num_processes: int = Field(default=2, ge=1, description="torchrun --nproc_per_node")
+    backend: Literal["gloo", "nccl"] = Field(default="gloo", description="torch.distributed backend")
+    num_epochs: int = Field(default=1, ge=1)
+    global_batch_size: int = Field(default=8, ge=1, description="samples per optimizer step, all ranks")
+    lr: float = Field(default=1e-4, gt=0, description="AdamW peak learning rate")
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    max_grad_norm: float = Field(default=0.5, gt=0)
+    ttt_steps: int = Field(default=7, ge=1, le=16, description="TTT unroll length K")
+    ttt_decay: float = Field(default=0.8, gt=0, le=1, description="loss weight of unroll step k is decay**k")
+    save_every_steps: int = Field(default=100, ge=1)
+    keep_last_checkpoints: int = Field(default=2, ge=1)
+    max_steps: int = Field(default=0, ge=0, description="stop after N steps; 0 = run all epochs")
+    seed: int = Field(default=0)
+
+
+class SmokeConfig(StrictModel):
+    num_samples: int = Field(default=8, ge=1, description="samples the smoke run overfits")
+    num_steps: int = Field(default=40, ge=2)
+    lr: float = Field(default=3e-3, gt=0)
+    min_loss_drop: float = Field(default=0.3, gt=0, lt=1, description="final loss must be below (1 - this) x first")
+
+
+class ApprovalConfig(StrictModel):
+    timeout_s: int = Field(default=7 * 24 * 3600, ge=10, description="how long the gate waits for a person")
+    gpu_hours_per_step: float = Field(default=0.0, ge=0, description="for the estimate shown at the gate")
+
+
+class ExportConfig(StrictModel):
+    format: Literal["sglang"] = Field(default="sglang")
+    dtype: DType = Field(default="float32")
+
+
+class BenchConfig(StrictModel):
+    prompts_path: str = Field(description="held-out prompts JSONL (never the training prompts)")
+    num_prompts: int = Field(default=0, ge=0, description="0 = all")
+    steps: int = Field(default=3, ge=1, description="chain length k (topk 1)")
+    max_new_tokens: int = Field(default=64, ge=1)
+    min_tau: float = Field(default=1.0, ge=0, description="fail the flow when tau_mean is below this")
+
+
+class RunConfig(StrictModel):
+    name: str = Field(default="eyas-run", pattern=r"^[a-z0-9][a-z0-9-]*$")
+    workdir: str = Field(description="directory holding every output of the run")
+    target: TargetConfig
+    dataset: DatasetConfig
+    extract: ExtractConfig = ExtractConfig()
+    verify: VerifyConfig = VerifyConfig()
+    draft: DraftConfig = DraftConfig()
+    train: TrainConfig = TrainConfig()
+    smoke: SmokeConfig = SmokeConfig()
+    approval: ApprovalConfig = ApprovalConfig()
+    export: ExportConfig = ExportConfig()
+    bench: BenchConfig
+
+    @property
+    def paths(self) -> "RunPaths":
+        return RunPaths(Path(self.workdir))
+
+    def fingerprint(self, *parts: str) -> str:
+        """Hash of the named config sections (all when none): keys caches and approvals."""
+        data = self.model_dump(mode="json")
+        chosen = {k: data[k] for k in (parts or sorted(data))}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TrainJob(StrictModel):
+    """Everything `python -m eyas.train --config job.json` needs, written by the train task."""
+
+    target_path: str
+    shards_dir: str
+    vocab_path: str
+    output_dir: str
+    aux_layer_ids: list[int]
+    draft: DraftConfig
+    train: TrainConfig
+    max_samples: int = Field(default=0, ge=0, description="use the first N samples; 0 = all")
+
+
+class RunPaths:
+    """Where each stage writes inside a run's workdir."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @property
+    def dataset_dir(self) -> Path:
+        return self.root / "dataset"
+
+    @property
+    def tokenized(self) -> Path:
+        return self.dataset_dir / "tokenized.parquet"
+
+    @property
+    def vocab(self) -> Path:
+        return self.dataset_dir / "vocab.safetensors"
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.root / "shards"
+
+    @property
+    def verify_report(self) -> Path:
+        return self.root / "verify" / "report.parquet"
+
+    @property
+    def smoke_dir(self) -> Path:
+        return self.root / "smoke"
+
+    @property
+    def train_dir(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def bench_dir(self) -> Path:
+        return self.root / "bench"
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a preset (JSON) into a RunConfig; relative paths resolve against the repo root."""
+    return RunConfig.model_validate_json(Path(path).read_text())

@@ -1,0 +1,226 @@
+"""The EAGLE-3 draft model (Llama style) and its training-time test (TTT) unroll.
+
+Alignment: for a sample with tokens x_0..x_{L-1}, target aux features f_t and target logits z_t
+(z_t predicts x_{t+1}), unroll step k at index t takes token x_{t+k+1} and, as hidden input,
+fc(f_t) at step 0 or the draft's own step-(k-1) output at index t afterwards; it sits at
+position t+k and is trained towards softmax(z_{t+k+1}) restricted to the draft vocab.
+Attention at step k sees step-0 keys causally (indices <= t) and the keys of steps 1..k at its
+own index only: exactly what a chain draft sees at inference, where drafted positions follow
+the prefix that the target has verified.
+
+State-dict keys (the eyas format): embed_tokens.weight, fc.weight, midlayer.{input_layernorm,
+hidden_norm, post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
+midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, and buffers d2t, t2d.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DraftArch:
+    hidden_size: int
+    num_aux: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [B, h, T, d] at integer positions [B, T] (HF Llama layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, d]
+    return (x * emb.cos().to(x.dtype)) + (rotate_half(x) * emb.sin().to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        self.a = a
+        self.q_proj = nn.Linear(2 * a.hidden_size, a.num_attention_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.a.head_dim).transpose(1, 2)
+
+    def forward(self, x, positions, cache: list, valid: torch.Tensor | None):
+        """x [B,T,2H]; cache: (k, v) of earlier unroll steps, cache[0] being step 0; valid [B,T] bool."""
+        a = self.a
+        q = rope(self._heads(self.q_proj(x), a.num_attention_heads), positions, a.rope_theta)
+        k = rope(self._heads(self.k_proj(x), a.num_key_value_heads), positions, a.rope_theta)
+        v = self._heads(self.v_proj(x), a.num_key_value_heads)
+        cache.append((k, v))
+        rep = a.num_attention_heads // a.num_key_value_heads
+        k0, v0 = (t.repeat_interleave(rep, dim=1) for t in cache[0])
+        scale = 1.0 / math.sqrt(a.head_dim)
+        scores = [q @ k0.transpose(-1, -2) * scale]  # [B,h,T,T]
+        tlen = x.shape[1]
+        mask = torch.ones(tlen, tlen, dtype=torch.bool, device=x.device).tril()
+        if valid is not None:
+            mask = mask & valid[:, None, None, :]
+        scores[0] = scores[0].masked_fill(~mask, float("-inf"))
+        diag = [(q * kj.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]
+        probs = torch.softmax(torch.cat(scores + diag, dim=-1), dim=-1)
+        out = probs[..., :tlen] @ v0
+        for j, (_, vj) in enumerate(cache[1:]):
+            out = out + probs[..., tlen + j : tlen + j + 1] * vj.repeat_interleave(rep, dim=1)
+        b = x.shape[0]
+        return self.o_proj(out.transpose(1, 2).reshape(b, tlen, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, embeds, hidden, positions, cache, valid):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = residual + self.self_attn(x, positions, cache, valid)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, arch: DraftArch):
+        super().__init__()
+        a = self.arch = arch
+        self.embed_tokens = nn.Embedding(a.target_vocab_size, a.hidden_size)
+        self.fc = nn.Linear(a.num_aux * a.hidden_size, a.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(a)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
+
+    def freeze_embeddings(self) -> None:
+        self.embed_tokens.weight.requires_grad_(False)
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        width = aux_hidden.shape[-1]
+        expected = self.arch.num_aux * self.arch.hidden_size
+        if width != expected:
+            raise ValueError(
+                f"draft input: aux hidden width {width}, expected {expected} "
+                f"({self.arch.num_aux} layers x {self.arch.hidden_size}); the target did not return "
+                f"the aux hidden states of {self.arch.num_aux} layers concatenated"
+            )
+        return self.fc(aux_hidden)
+
+    def step(self, input_ids, hidden, positions, cache, valid=None) -> torch.Tensor:
+        """One unroll step: returns the pre-norm output hidden [B,T,H] (next step's input)."""
+        return self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, valid)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def unroll(self, input_ids, aux_hidden, num_steps: int, valid=None):
+        """TTT unroll over a batch. input_ids [B,L] are x_0..x_{L-1}; yields (k, draft logits [B,T,Vd])
+        with T = L-1 where index t of step k predicts x_{t+k+2} (its target is z_{t+k+1})."""
+        b, seq = input_ids.shape
+        tlen = seq - 1
+        hidden = self.project(aux_hidden[:, :tlen])
+        base = torch.arange(tlen, device=input_ids.device).expand(b, tlen)
+        cache: list = []
+        for k in range(num_steps):
+            ids = torch.zeros_like(base)
+            ids[:, : max(tlen - k, 0)] = input_ids[:, k + 1 :]
+            hidden = self.step(ids, hidden, base + k, cache, None if valid is None else valid[:, :tlen])
+            yield k, self.logits(hidden)
+
+
+def build_draft(arch: DraftArch, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, seed: int = 0):
+    """A fresh draft: random trainable weights, embed_tokens copied from the target and frozen."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(arch)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embed_weight)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    draft.freeze_embeddings()
+    return draft
+
+
+def ttt_loss(draft: Eagle3Draft, batch: dict, target_lm_head: torch.Tensor, num_steps: int, decay: float):
+    """Soft cross-entropy against the target's distribution over the draft vocab, per TTT step.
+
+    batch: input_ids [B,L], loss_mask [B,L], aux_hidden [B,L,nH], last_hidden [B,L,H], valid [B,L].
+    target_lm_head: the target's lm_head rows for the draft vocab [Vd, H].
+    Returns (total loss, per-step losses, per-step top-1 accuracies, per-step token counts).
+    """
+    ids, mask, valid = batch["input_ids"], batch["loss_mask"].bool(), batch["valid"]
+    with torch.no_grad():
+        target_logits = batch["last_hidden"].float() @ target_lm_head.float().T  # [B,L,Vd]
+    tlen = ids.shape[1] - 1
+    total = torch.zeros((), device=ids.device)
+    losses, accs, counts = [], [], []
+    for k, logits in draft.unroll(ids, batch["aux_hidden"].float(), num_steps, valid):
+        span = max(tlen - k, 0)
+        tgt = target_logits[:, k + 1 : k + 1 + span]
+        m = (mask[:, k + 1 : k + 1 + span] & valid[:, k + 1 : k + 1 + span]).float()
+        lg = logits[:, :span].float()
+        ce = -(torch.softmax(tgt, -1) * torch.log_softmax(lg, -1)).sum(-1)
+        n = m.sum().clamp(min=1.0)
+        loss_k = (ce * m).sum() / n
+        total = total + (decay**k) * loss_k
+        with torch.no_grad():
+            acc = ((lg.argmax(-1) == tgt.argmax(-1)).float() * m).sum() / n
+        losses.append(loss_k.detach())
+        accs.append(acc)
+        counts.append(m.sum())
+    return total, losses, accs, counts

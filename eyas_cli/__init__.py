@@ -1,0 +1,1 @@
+"""The `eyas` command line: the user's entry point, above the flows."""

@@ -1,0 +1,73 @@
+"""Answering the approval gate from the terminal or the command line."""
+
+from __future__ import annotations
+
+import getpass
+import sys
+import threading
+import time
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId, FlowRunFilterTags
+from prefect.flow_runs import resume_flow_run
+
+
+def approve_run(run_id: str | UUID, *, approve: bool, reviewer: str, note: str = "") -> None:
+    """Resume a run paused at the gate; refuses a run that is not waiting."""
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(UUID(str(run_id)))
+    if run.state is None or not run.state.is_paused():
+        state = run.state.name if run.state else "no state"
+        raise RuntimeError(f"flow run {run_id} ({run.name}) is {state}, not Paused at the approval gate; nothing to answer")
+    resume_flow_run(run.id, run_input={"approve": approve, "reviewer": reviewer, "note": note})
+
+
+class GateWatcher(threading.Thread):
+    """Follows the top-level run carrying `tag`: prints its URL, then answers its gate once.
+
+    answer: "yes" / "no" answers by itself; None asks in the terminal when stdin is one, and
+    otherwise leaves the answer to the UI or `eyas approve`.
+    """
+
+    def __init__(self, tag: str, ui_url: str, answer: str | None):
+        super().__init__(daemon=True)
+        self.tag, self.ui_url, self.answer = tag, ui_url, answer
+        self.announced = False
+
+    def run(self) -> None:
+        while True:
+            run = self._top_run()
+            if run is not None and not self.announced:
+                print(f"\nflow run: {self.ui_url}/runs/flow-run/{run.id}\n", flush=True)
+                self.announced = True
+            if run is not None and run.state is not None:
+                if run.state.is_paused():
+                    self._answer(run)
+                    return
+                if run.state.is_final():
+                    return
+            time.sleep(1.0)
+
+    def _top_run(self):
+        flt = FlowRunFilter(tags=FlowRunFilterTags(all_=[self.tag]), parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True))
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=flt, limit=1)
+        return runs[0] if runs else None
+
+    def _answer(self, run) -> None:
+        url = f"{self.ui_url}/runs/flow-run/{run.id}"
+        if self.answer in ("yes", "no"):
+            approve = self.answer == "yes"
+            approve_run(run.id, approve=approve, reviewer=f"{getpass.getuser()} (APPROVE={self.answer})", note="answered by flag")
+            print(f"approval gate answered: {'approved' if approve else 'rejected'} (APPROVE={self.answer})", flush=True)
+            return
+        print(f"The run is waiting for approval: see the summary at {url} (Resume), "
+              f"or run `eyas approve {run.id}` [--reject].", flush=True)
+        if not sys.stdin.isatty():
+            return
+        reply = input("Approve training now? [y/N] ").strip().lower()
+        try:
+            approve_run(run.id, approve=reply in ("y", "yes"), reviewer=getpass.getuser(), note="answered in the terminal")
+        except RuntimeError as err:  # answered meanwhile in the UI or by `eyas approve`
+            print(f"not answered from the terminal: {err}", flush=True)

@@ -1,0 +1,124 @@
+"""eyas: train EAGLE-3 drafters for a target LLM and prove they work.
+
+Usage:
+  eyas demo [--approve yes|no]           the whole pipeline on the bundled tiny target
+  eyas run CONFIG [--approve yes|no]     the whole pipeline for a preset (JSON RunConfig)
+  eyas dataset|extract|verify|train|export|bench CONFIG    one stage
+  eyas approve RUN_ID [--reject] [--note TEXT] [--reviewer NAME]
+  eyas inspect PATH                      audit an exported drafter (no Prefect needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_PRESET = REPO / "deployments" / "tiny-cpu.json"
+STAGES = ("dataset", "extract", "verify", "train", "export", "bench")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the pipeline on the tiny target")
+    demo.add_argument("--workdir", default="runs/demo")
+    run = sub.add_parser("run", help="run the whole pipeline for a preset")
+    run.add_argument("config")
+    for p in (demo, run):
+        p.add_argument("--approve", choices=["yes", "no"], default=os.environ.get("APPROVE") or None,
+                       help="answer the approval gate without asking (default: ask; env APPROVE)")
+    for stage in STAGES:
+        sub.add_parser(stage, help=f"run the {stage} stage's flow").add_argument("config")
+    approve = sub.add_parser("approve", help="answer a run waiting at the approval gate")
+    approve.add_argument("run_id")
+    approve.add_argument("--reject", action="store_true")
+    approve.add_argument("--note", default="")
+    approve.add_argument("--reviewer", default=getpass.getuser())
+    inspect = sub.add_parser("inspect", help="audit a drafter checkpoint directory")
+    inspect.add_argument("path")
+    return parser.parse_args(argv)
+
+
+def load_config(path: str, workdir: str | None = None):
+    from eyas.config import load_run_config
+
+    config = load_run_config(path)
+    return config.model_copy(update={"workdir": workdir}) if workdir else config
+
+
+def connect() -> str:
+    from eyas_cli.server import ensure_server
+
+    return ensure_server(Path(os.environ.get("EYAS_STATE_DIR", REPO / ".eyas")) / "prefect")
+
+
+def run_pipeline(config, answer: str | None) -> int:
+    from eyas_cli.approval import GateWatcher
+    from eyas_cli.server import ui_url
+
+    api = connect()
+    from prefect import tags
+
+    from flows.pipeline import pipeline
+
+    tag = f"eyas-{uuid.uuid4().hex[:8]}"
+    GateWatcher(tag, ui_url(api), answer).start()
+    with tags(tag, f"config-{config.name}"):
+        state = pipeline(config, return_state=True)
+    if not state.is_completed():
+        print(f"\npipeline ended {state.name}: {state.message}", file=sys.stderr)
+        return 1
+    result = state.result()
+    print("\nbenchmark (reference engine, held-out prompts):")
+    for key in ("tau_mean", "tau_random", "steps", "num_prompts", "accept_rate_per_position", "lossless"):
+        print(f"  {key:26s} {result[key]}")
+    print(f"benchmark.json: {result['path']}")
+    return 0
+
+
+def run_stage(stage: str, config) -> int:
+    connect()
+    from flows import bench, dataset, export, extract, train, verify
+
+    flow_fn = {
+        "dataset": dataset.build_dataset_flow, "extract": extract.extract_flow, "verify": verify.verify_flow,
+        "train": train.train_flow, "export": export.export_flow, "bench": bench.bench_flow,
+    }[stage]
+    state = flow_fn(config, return_state=True)
+    print(json.dumps(state.result() if state.is_completed() else {"state": state.name, "message": state.message},
+                     indent=2, default=str))
+    return 0 if state.is_completed() else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "demo":
+        return run_pipeline(load_config(str(DEMO_PRESET), args.workdir), args.approve)
+    if args.command == "run":
+        return run_pipeline(load_config(args.config), args.approve)
+    if args.command in STAGES:
+        return run_stage(args.command, load_config(args.config))
+    if args.command == "approve":
+        connect()
+        from eyas_cli.approval import approve_run
+
+        approve_run(args.run_id, approve=not args.reject, reviewer=args.reviewer, note=args.note)
+        print(f"flow run {args.run_id}: {'rejected' if args.reject else 'approved'} by {args.reviewer}")
+        return 0
+    if args.command == "inspect":
+        from eyas.export import inspect_export
+
+        report = inspect_export(args.path)
+        print(report.text)
+        return 0 if report.ok else 1
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefect flows: one per stage, and `pipeline` chaining them."""

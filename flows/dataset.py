@@ -1,0 +1,17 @@
+"""Flow `build-dataset`: prompts -> target responses -> tokenized table -> draft vocab mapping."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from eyas.config import RunConfig
+from tasks.dataset import build_vocab_mapping, regenerate_and_tokenize
+
+
+@flow(name="build-dataset", log_prints=True)
+def build_dataset_flow(config: RunConfig) -> dict:
+    report = regenerate_and_tokenize(config)
+    vocab = build_vocab_mapping(config)
+    print(f"dataset: {report['num_samples']} samples, {report['num_loss_tokens']} loss tokens, "
+          f"hash {report['content_hash']}; draft vocab {vocab['draft_vocab_size']}/{vocab['target_vocab_size']}")
+    return {"dataset": report, "vocab": vocab}

@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers around `eyas` that add progress, artifacts and retries."""

@@ -1,0 +1,75 @@
+"""Progress and artifact helpers shared by the tasks (Prefect artifacts + a rich bar in the terminal)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+from prefect.artifacts import (
+    create_image_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class StageProgress:
+    """A Prefect progress artifact and a terminal bar fed by `eyas` progress callbacks.
+
+    `done_key` / `total_key` name the fields of the callback's dict that measure progress.
+    Updates to the server are throttled to one per `min_interval_s`.
+    """
+
+    def __init__(self, key: str, title: str, done_key: str, total_key: str, min_interval_s: float = 1.0):
+        self.done_key, self.total_key, self.title = done_key, total_key, title
+        self.min_interval_s = min_interval_s
+        self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=title)
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                            TimeRemainingColumn(), transient=False)
+        self.bar_task = None
+        self.last_sent = 0.0
+
+    def __enter__(self) -> "StageProgress":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+    def __call__(self, info: dict) -> None:
+        done, total = info[self.done_key], max(1, info[self.total_key])
+        if self.bar_task is None:
+            self.bar_task = self.bar.add_task(self.title, total=total)
+        self.bar.update(self.bar_task, completed=done, total=total)
+        now = time.monotonic()
+        if now - self.last_sent >= self.min_interval_s or done >= total:
+            update_progress_artifact(self.artifact_id, progress=100.0 * done / total)
+            self.last_sent = now
+
+
+def table_artifact(key: str, rows: list[dict], description: str) -> None:
+    create_table_artifact(key=key, table=rows, description=description)
+
+
+def markdown_artifact(key: str, markdown: str, description: str) -> None:
+    create_markdown_artifact(key=key, markdown=markdown, description=description)
+
+
+def png_artifact(key: str, figure, description: str) -> None:
+    """A matplotlib figure as an inline image artifact (data URI)."""
+    buf = io.BytesIO()
+    figure.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    create_image_artifact(image_url=uri, key=key, description=description)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "_(none)_"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

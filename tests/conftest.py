@@ -1,0 +1,100 @@
+"""Shared fixtures: the committed tiny target, and a small random Llama with the same tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_TARGET = REPO / "fixtures" / "tiny-target"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped when none is visible")
+    config.addinivalue_line("markers", "e2e: runs the whole pipeline against a real Prefect server")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker); none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    """The committed tiny target (scripts/build_tiny_target.py rebuilds it)."""
+    assert (TINY_TARGET / "model.safetensors").is_file(), "run scripts/build_tiny_target.py first"
+    return TINY_TARGET
+
+
+@pytest.fixture(scope="session")
+def random_target_dir(tmp_path_factory) -> Path:
+    """An 8-layer random Llama (hidden 64) in HF format, sharing the tiny target's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("random-target")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_TARGET / name, out / name)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real local Prefect server (SQLite) on a free loopback port, for flow tests.
+
+    PREFECT_API_URL is set before any test imports `prefect`; flow tests import it inside the test.
+    """
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"prefect server did not start; see {home / 'server.log'}")
+        time.sleep(0.5)
+    os.environ["PREFECT_API_URL"] = url
+    os.environ["PREFECT_HOME"] = str(home)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -1,0 +1,176 @@
+"""eyas.checkpoint: durable step dirs, the newest complete one, rotation, strict loading."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.checkpoint import (
+    CheckpointError,
+    latest_complete,
+    load_draft,
+    load_training_state,
+    save_checkpoint,
+)
+from eyas.draft import DraftArch, Eagle3Draft, build_draft
+
+ARCH = DraftArch(hidden_size=16, num_aux=3, target_vocab_size=40, draft_vocab_size=20, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8, intermediate_size=32)
+
+
+def make_training(seed: int = 0):
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[::2] = True
+    draft = build_draft(ARCH, torch.randn(40, 16), torch.arange(20), t2d, seed=seed)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    return draft, optimizer, scheduler
+
+
+def take_step(draft, optimizer, scheduler) -> None:
+    draft.fc.weight.sum().backward()
+    draft.lm_head.weight.square().sum().backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def save(output_dir: Path, step: int, training=None, keep_last: int = 5) -> Path:
+    draft, optimizer, scheduler = training or make_training()
+    state = {"samples_consumed": 8 * step, "epoch": 0, "world_size": 2, "global_batch_size": 8, "loss": 1.5}
+    return save_checkpoint(output_dir, step, draft=draft, optimizer=optimizer, scheduler=scheduler,
+                           trainer_state=state, aux_layer_ids=[2, 5, 8], target_fingerprint="abc123",
+                           keep_last=keep_last)
+
+
+def test_save_writes_a_complete_step_dir(tmp_path):
+    path = save(tmp_path, 12)
+    assert path == tmp_path / "checkpoints" / "step-00000012"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMPLETE", "arch.json", "model.safetensors", "optimizer.pt", "rng.pt", "scheduler.pt", "trainer_state.json",
+    ]
+    assert json.loads((path / "arch.json").read_text()) == {
+        "arch": ARCH.to_dict(), "aux_layer_ids": [2, 5, 8], "layer_id_convention": "hf_hidden_states",
+        "target_fingerprint": "abc123",
+    }
+    assert json.loads((path / "trainer_state.json").read_text()) == {
+        "step": 12, "samples_consumed": 96, "epoch": 0, "world_size": 2, "global_batch_size": 8, "loss": 1.5,
+    }
+    assert set(load_file(path / "model.safetensors")) == set(Eagle3Draft(ARCH).state_dict())
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_latest_complete_is_none_without_checkpoints(tmp_path):
+    assert latest_complete(tmp_path) is None
+
+
+def test_latest_complete_ignores_incomplete_and_temporary_dirs(tmp_path):
+    save(tmp_path, 2)
+    save(tmp_path, 4)
+    root = tmp_path / "checkpoints"
+    (root / "step-00000006").mkdir()  # crashed after the rename, before COMPLETE
+    (root / "step-00000006" / "model.safetensors").write_bytes(b"partial")
+    (root / ".tmp-step-00000008-123").mkdir()  # crashed while writing
+    (root / ".tmp-step-00000008-123" / "COMPLETE").write_text("8\n")
+    (root / "step-10-notes").mkdir()  # not a step dir
+    assert latest_complete(tmp_path) == root / "step-00000004"
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / ".tmp-step-00000001-99").mkdir()
+    (root / "step-00000002").mkdir()  # incomplete and older than what gets saved: garbage
+    for step in (1, 3, 4, 5):
+        save(tmp_path, step, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000005"]
+
+
+def test_save_replaces_an_incomplete_dir_of_the_same_step(tmp_path):
+    stale = tmp_path / "checkpoints" / "step-00000003"
+    stale.mkdir(parents=True)
+    (stale / "junk").write_text("left by a crash")
+    path = save(tmp_path, 3)
+    assert not (path / "junk").exists() and (path / "COMPLETE").is_file()
+
+
+def test_load_draft_returns_the_saved_weights_and_meta(tmp_path):
+    training = make_training(seed=7)
+    path = save(tmp_path, 1, training)
+    draft, meta = load_draft(path)
+    for key, value in training[0].state_dict().items():
+        assert torch.equal(draft.state_dict()[key], value), key
+    assert not draft.embed_tokens.weight.requires_grad and draft.fc.weight.requires_grad
+    assert meta["arch"] == ARCH and meta["aux_layer_ids"] == [2, 5, 8]
+    assert meta["target_fingerprint"] == "abc123" and meta["trainer_state"]["step"] == 1
+
+
+def test_load_draft_refuses_a_missing_key_and_lists_it(tmp_path):
+    path = save(tmp_path, 1)
+    state = load_file(path / "model.safetensors")
+    del state["fc.weight"]
+    save_file(state, path / "model.safetensors")
+    message = (f"checkpoint {path / 'model.safetensors'}: missing keys ['fc.weight'], unexpected keys []; "
+               "expected exactly the eyas draft state dict")
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_draft(path)
+
+
+def test_load_draft_lists_every_missing_and_unexpected_key_sorted(tmp_path):
+    path = save(tmp_path, 1)
+    state = load_file(path / "model.safetensors")
+    del state["norm.weight"], state["d2t"]
+    state["layers.0.mlp.up_proj.weight"] = state.pop("midlayer.mlp.up_proj.weight")
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(
+        "missing keys ['d2t', 'midlayer.mlp.up_proj.weight', 'norm.weight'], "
+        "unexpected keys ['layers.0.mlp.up_proj.weight']"
+    )):
+        load_draft(path)
+
+
+def test_load_draft_refuses_a_wrong_shape(tmp_path):
+    path = save(tmp_path, 1)
+    state = load_file(path / "model.safetensors")
+    state["lm_head.weight"] = torch.zeros(21, 16)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape("wrong shapes ['lm_head.weight [21, 16] (expected [20, 16])']")):
+        load_draft(path)
+
+
+def test_load_draft_refuses_an_incomplete_checkpoint(tmp_path):
+    path = save(tmp_path, 1)
+    (path / "COMPLETE").unlink()
+    with pytest.raises(CheckpointError, match="no COMPLETE marker; it was not written completely"):
+        load_draft(path)
+
+
+def test_load_training_state_restores_optimizer_scheduler_and_rng(tmp_path):
+    training = make_training()
+    take_step(*training)
+    torch.manual_seed(123)
+    path = save(tmp_path, 1, training)
+    expected_next = torch.rand(3)
+    draft, optimizer, scheduler = make_training(seed=1)
+    torch.manual_seed(0)
+    state = load_training_state(path, draft=draft, optimizer=optimizer, scheduler=scheduler)
+    assert state["samples_consumed"] == 8 and state["world_size"] == 2
+    assert torch.equal(draft.fc.weight, training[0].fc.weight)
+    assert scheduler.last_epoch == 1 and scheduler.get_last_lr() == training[2].get_last_lr()
+    saved_exp_avg = training[1].state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], saved_exp_avg)
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_load_training_state_refuses_another_arch(tmp_path):
+    path = save(tmp_path, 1)
+    other = DraftArch(**{**ARCH.to_dict(), "intermediate_size": 64})
+    draft = Eagle3Draft(other)
+    optimizer = torch.optim.AdamW(draft.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with pytest.raises(CheckpointError, match="resume with the same draft config or use a new output_dir"):
+        load_training_state(path, draft=draft, optimizer=optimizer, scheduler=scheduler)

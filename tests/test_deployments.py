@@ -1,0 +1,55 @@
+"""The deployments and presets stay valid instances of the flows' parameter model."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eyas.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOYMENTS = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "deployments").glob("*.json")), ids=lambda p: p.name)
+def test_preset_is_a_valid_run_config(preset):
+    RunConfig.model_validate_json(preset.read_text())
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=lambda d: d["name"])
+def test_deployment_entrypoint_is_a_flow(deployment):
+    path, func = deployment["entrypoint"].split(":")
+    tree = ast.parse((REPO / path).read_text())
+    flows = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "flow" for d in node.decorator_list)
+    }
+    assert func in flows
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=lambda d: d["name"])
+def test_deployment_parameters_equal_the_tiny_preset(deployment):
+    preset = json.loads((REPO / "deployments" / "tiny-cpu.json").read_text())
+    assert deployment["parameters"]["config"] == preset
+    RunConfig.model_validate(deployment["parameters"]["config"])
+
+
+def test_unknown_config_field_is_an_error():
+    preset = json.loads((REPO / "deployments" / "tiny-cpu.json").read_text())
+    preset["train"]["learning_rate"] = 1.0
+    with pytest.raises(ValueError, match="learning_rate"):
+        RunConfig.model_validate(preset)
+
+
+def test_library_never_imports_prefect():
+    offenders = []
+    for path in sorted((REPO / "eyas").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("prefect", "flows", "tasks")]
+    assert offenders == []

@@ -1,0 +1,230 @@
+"""Shard verification: good shards pass; each kind of damage is flagged with its reason."""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from dataclasses import replace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eyas.config import ExtractConfig
+from eyas.extract import extract_hidden_states
+from eyas.shards import load_shard, quarantine_shards, read_manifest, shard_filename, write_manifest, write_shard
+from eyas.verify import (
+    ShardVerificationError, expected_shard_meta, raise_if_bad, verify_shards, write_verify_report,
+)
+
+
+CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=4)  # ~63 tokens of H=64 float32 per shard
+
+
+def write_tokenized(path, samples, *, dataset_hash="d5e7"):
+    n = len(samples)
+    table = pa.table({
+        "sample_index": pa.array(range(n), pa.int64()),
+        "id": pa.array([f"s{i}" for i in range(n)]),
+        "input_ids": pa.array(samples, pa.list_(pa.int32())),
+        "loss_mask": pa.array([[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())),
+        "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
+    }).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, random_target_dir):
+    """(tokenized path, shards dir, expected metadata) of one small extraction, shared read-only."""
+    root = tmp_path_factory.mktemp("verify")
+    rng = random.Random(1)
+    samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 20))] for _ in range(10)]
+    tokenized = write_tokenized(root / "tokenized.parquet", samples)
+    extract_hidden_states(tokenized_path=tokenized, shards_dir=root / "shards", target_path=random_target_dir,
+                          aux_layer_ids=None, extract_cfg=CFG)
+    expected = expected_shard_meta(target_path=random_target_dir, aux_layer_ids=None, dtype="float32",
+                                   tokenized_path=tokenized)
+    return tokenized, root / "shards", expected
+
+
+@pytest.fixture
+def shards(tmp_path, extracted):
+    """A private copy of the extracted shards, free to damage."""
+    shutil.copytree(extracted[1], tmp_path / "shards")
+    return tmp_path / "shards"
+
+
+def _verify(shards_dir, extracted, mode="full", expected=None):
+    return verify_shards(shards_dir=shards_dir, tokenized_path=extracted[0], expected=expected or extracted[2],
+                         mode=mode)
+
+
+def _bad_reasons(report):
+    return {r.file: r.reason for r in report.rows if r.status == "bad"}
+
+
+def _rewrite(shards_dir, index, mutate):
+    """Rewrite shard `index` through write_shard (so its checksum and manifest row are right) after
+    `mutate(tensors, meta) -> (tensors, meta)`: damage that extraction itself could have produced."""
+    tensors, meta = load_shard(shards_dir / shard_filename(index))
+    tensors, meta = mutate({k: v.clone() for k, v in tensors.items()}, meta)
+    row = write_shard(shards_dir, tensors, meta)
+    write_manifest(shards_dir, [row if r.shard_index == index else r for r in read_manifest(shards_dir)])
+
+
+def test_good_shards_pass_both_modes(shards, extracted):
+    for mode in ("cheap", "full"):
+        report = _verify(shards, extracted, mode)
+        assert report.ok, _bad_reasons(report) or report.problems
+        assert len(report.rows) == len(read_manifest(shards)) > 1
+        summary = report.summary()
+        assert (summary["shards"], summary["ok"], summary["bad"]) == (len(report.rows), len(report.rows), 0)
+        assert summary["tokens"] == sum(r.num_tokens for r in read_manifest(shards))
+    assert report.rows[0].checks_passed == ["listed", "sha256", "header", "metadata", "layout", "offsets", "finite",
+                                            "dataset"]
+    raise_if_bad(report)
+
+
+def test_flipped_byte_fails_checksum_in_full_mode_only(shards, extracted):
+    path = shards / shard_filename(1)
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert _verify(shards, extracted, "cheap").ok  # cheap mode reads no tensor bytes
+    reasons = _bad_reasons(_verify(shards, extracted, "full"))
+    assert list(reasons) == ["shard-00001.safetensors"]
+    assert reasons["shard-00001.safetensors"].startswith("shard-00001.safetensors: checksum mismatch: sha256 ")
+    assert "the manifest says" in reasons["shard-00001.safetensors"]
+
+
+def test_nan_values_are_flagged(shards, extracted):
+    def put_nan(tensors, meta):
+        tensors["aux_hidden_states"][3, 5] = math.nan
+        return tensors, meta
+
+    _rewrite(shards, 0, put_nan)
+    reasons = _bad_reasons(_verify(shards, extracted))
+    assert reasons["shard-00000.safetensors"].startswith(
+        "shard-00000.safetensors: aux_hidden_states has non-finite values (first at token 3, sample 0)")
+
+
+def test_wrong_width_is_flagged(shards, extracted):
+    def one_layer(tensors, meta):
+        tensors["aux_hidden_states"] = tensors["aux_hidden_states"][:, :64]
+        return tensors, meta
+
+    _rewrite(shards, 0, one_layer)
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
+    assert "aux_hidden_states width 64, expected 192 (3 layers x 64); the backend did not return" in reason
+
+
+def test_wrong_layer_ids_in_metadata_are_flagged(shards, extracted):
+    _rewrite(shards, 1, lambda t, m: (t, replace(m, aux_layer_ids=(1, 4, 5))))
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00001.safetensors"]
+    assert "metadata disagrees with the run config: aux_layer_ids [1, 4, 5], expected [2, 4, 5]" in reason
+
+
+def test_other_target_is_flagged(shards, extracted):
+    expected = replace(extracted[2], target_fingerprint="0123456789abcdef")
+    reasons = _bad_reasons(_verify(shards, extracted, "cheap", expected=expected))
+    assert len(reasons) == len(read_manifest(shards))
+    assert "target_fingerprint '" in reasons["shard-00000.safetensors"]
+    assert "expected '0123456789abcdef'" in reasons["shard-00000.safetensors"]
+
+
+def test_missing_shard_file_is_flagged(shards, extracted):
+    (shards / shard_filename(1)).unlink()
+    reasons = _bad_reasons(_verify(shards, extracted, "cheap"))
+    assert reasons == {"shard-00001.safetensors": "shard-00001.safetensors: listed in the manifest but missing on "
+                       "disk; quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"}
+
+
+def test_extra_shard_file_is_flagged(shards, extracted):
+    shutil.copy(shards / shard_filename(0), shards / shard_filename(99))
+    report = _verify(shards, extracted, "cheap")
+    reasons = _bad_reasons(report)
+    assert list(reasons) == ["shard-00099.safetensors"]
+    assert reasons["shard-00099.safetensors"].startswith("shard-00099.safetensors: not in the manifest")
+    assert [r.shard for r in report.rows if r.status == "bad"] == [99]
+
+
+def test_truncated_file_is_flagged(shards, extracted):
+    path = shards / shard_filename(0)
+    path.write_bytes(path.read_bytes()[:-100])
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
+    assert "bytes, the manifest says" in reason and "(truncated or overwritten)" in reason
+
+
+def test_input_ids_differing_from_dataset_are_flagged(shards, extracted):
+    def shift_token(tensors, meta):
+        tensors["input_ids"][2] += 1
+        return tensors, meta
+
+    _rewrite(shards, 0, shift_token)
+    assert _verify(shards, extracted, "cheap").ok  # cheap mode does not read tokens
+    reason = _bad_reasons(_verify(shards, extracted))["shard-00000.safetensors"]
+    assert "input_ids differs from the tokenized dataset at token 2 (sample 0)" in reason
+
+
+def test_samples_in_no_shard_are_a_problem(shards, extracted):
+    rows = read_manifest(shards)
+    (shards / rows[-1].file).unlink()
+    write_manifest(shards, rows[:-1])
+    report = _verify(shards, extracted, "cheap")
+    assert not report.ok and all(r.status == "ok" for r in report.rows)
+    assert report.problems == [f"{shards}: samples {rows[-1].sample_start}..9 (of 10) are in no shard of the "
+                               f"manifest; re-run extraction to fill them"]
+
+
+def test_raise_if_bad_lists_every_bad_shard(shards, extracted):
+    (shards / shard_filename(0)).unlink()
+    shutil.copy(shards / shard_filename(1), shards / shard_filename(99))
+    report = _verify(shards, extracted, "cheap")
+    with pytest.raises(ShardVerificationError) as e:
+        raise_if_bad(report)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"shard verification (cheap) failed: 2 of {len(report.rows)} shards bad, 0 directory problems")
+    assert "shard-00000.safetensors: listed in the manifest but missing" in msg
+    assert "shard-00099.safetensors: not in the manifest" in msg
+    assert e.value.report.bad_files == ["shard-00000.safetensors", "shard-00099.safetensors"]
+
+
+def test_report_is_written_as_parquet(shards, extracted, tmp_path):
+    (shards / shard_filename(0)).unlink()
+    report = _verify(shards, extracted, "cheap")
+    path = write_verify_report(report, tmp_path / "verify" / "report.parquet")
+    table = pq.read_table(path)
+    assert table.column_names == ["shard", "file", "status", "checks_passed", "reason", "num_tokens", "num_bytes",
+                                  "seconds"]
+    rows = table.to_pylist()
+    assert [(r["shard"], r["status"]) for r in rows][:2] == [(0, "bad"), (1, "ok")]
+    assert rows[1]["checks_passed"] == ["listed", "header", "metadata", "layout", "offsets"]
+    assert table.schema.metadata[b"eyas.verify.mode"] == b"cheap"
+
+
+def test_unparsable_header_is_flagged(shards, extracted):
+    path = shards / shard_filename(0)
+    data = bytearray(path.read_bytes())
+    data[8:12] = b"!!!!"  # the JSON header starts at byte 8; the size stays what the manifest says
+    path.write_bytes(bytes(data))
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
+    assert reason.startswith("shard-00000.safetensors: safetensors header does not parse (")
+
+
+def test_quarantined_shards_are_reextracted_and_pass(shards, extracted, random_target_dir):
+    def put_nan(tensors, meta):
+        tensors["last_hidden_states"][0, 0] = math.nan
+        return tensors, meta
+
+    _rewrite(shards, 1, put_nan)
+    report = _verify(shards, extracted)
+    assert report.bad_files == ["shard-00001.safetensors"]
+    moved = quarantine_shards(shards, report.bad_files)
+    assert [p.name.split(".safetensors")[0] for p in moved] == ["shard-00001"]
+    summary = extract_hidden_states(tokenized_path=extracted[0], shards_dir=shards, target_path=random_target_dir,
+                                    aux_layer_ids=None, extract_cfg=CFG)
+    assert summary.shards_written == 1
+    assert _verify(shards, extracted).ok

@@ -55,7 +55,7 @@ def report_benchmark(result: dict, path: Path) -> None:
     ax1.set_xlabel("draft position")
     ax1.set_ylabel("acceptance rate")
     ax1.set_ylim(0, 1)
-    ax2.hist(result["tau_per_prompt"], bins=10)
+    ax2.hist([t for t in result["tau_per_prompt"] if t is not None], bins=10)
     ax2.axvline(result["tau_random"], color="r", ls="--", label="random draft")
     ax2.set_xlabel("tau per prompt")
     ax2.legend()

@@ -1,0 +1,200 @@
+"""The reference speculative decoding loop: lossless, exact acceptance, aligned with training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eyas.bench import (
+    DecodeResult,
+    DraftProposer,
+    LosslessError,
+    accept_rates,
+    check_lossless,
+    encode_prompts,
+    greedy_decode,
+    load_target_float64,
+    reference_decode,
+    run_benchmark,
+    write_benchmark_json,
+)
+from eyas.draft import DraftArch, build_draft
+from eyas.export import export_sglang
+from eyas.target import embed_weight, target_fingerprint
+
+ARCH = DraftArch(
+    hidden_size=64, num_aux=3, target_vocab_size=2048, draft_vocab_size=512,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+)
+AUX_IDS = [2, 4, 5]
+PROMPTS = [[(37 * i + 11 * j) % 2047 + 1 for j in range(6 + 3 * i)] for i in range(3)]
+
+
+class GreedyOracle:
+    """Proposes the target's own greedy tokens; with `wrong_at`, round r spoils token r % (steps + 1)."""
+
+    def __init__(self, model, wrong_at: bool = False):
+        self.model, self.wrong_at, self.rounds = model, wrong_at, 0
+
+    def propose(self, seq, aux, steps):
+        assert aux.shape == (len(seq) - 1, 3 * 64) and aux.dtype == torch.float32
+        tokens = greedy_decode(self.model, seq, steps, None)
+        spoil = self.rounds % (steps + 1)
+        self.rounds += 1
+        if self.wrong_at and spoil < steps:
+            tokens[spoil] = (tokens[spoil] + 1) % 2048
+        return tokens
+
+
+def vocab_mapping() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randperm(2048, generator=torch.Generator().manual_seed(0))[:512].sort().values
+    t2d = torch.zeros(2048, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(512), t2d
+
+
+@pytest.fixture(scope="module")
+def target(random_target_dir):
+    return load_target_float64(random_target_dir)
+
+
+@pytest.fixture(scope="module")
+def random_draft(target):
+    return build_draft(ARCH, embed_weight(target).detach().float(), *vocab_mapping(), seed=5).eval()
+
+
+def decode(target, proposer, prompt, steps=3, max_new_tokens=16, eos=None) -> DecodeResult:
+    return reference_decode(
+        target, proposer, prompt, aux_layer_ids=AUX_IDS, steps=steps, max_new_tokens=max_new_tokens, eos_token_id=eos
+    )
+
+
+def test_random_draft_is_lossless_and_accepts_almost_nothing(target, random_draft):
+    results = []
+    for prompt in PROMPTS[:2]:
+        r = decode(target, random_draft, prompt, max_new_tokens=12)
+        check_lossless(r.tokens, greedy_decode(target, prompt, 12, None), prompt="p")
+        assert len(r.tokens) == 12
+        results.append(r)
+    rounds = sum(r.num_verify_steps for r in results)
+    tau = sum(sum(r.emitted_per_step) for r in results) / rounds
+    assert 1.0 <= tau < 1.25
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_oracle_draft_reaches_steps_plus_one(target, steps):
+    max_new_tokens = 1 + 4 * (steps + 1)
+    r = decode(target, GreedyOracle(target), PROMPTS[1], steps=steps, max_new_tokens=max_new_tokens)
+    assert r.tokens == greedy_decode(target, PROMPTS[1], max_new_tokens, None)
+    assert r.tau == steps + 1
+    assert r.accepted_per_step == [steps] * 4
+    assert accept_rates([r], steps) == [1.0] * steps
+
+
+def test_partial_acceptance_is_exact_and_lossless(target):
+    r = decode(target, GreedyOracle(target, wrong_at=True), PROMPTS[0], steps=3, max_new_tokens=1 + 1 + 2 + 3 + 4)
+    assert r.tokens == greedy_decode(target, PROMPTS[0], 11, None)
+    assert r.accepted_per_step == [0, 1, 2, 3]
+    assert r.emitted_per_step == [1, 2, 3, 4]
+    assert accept_rates([r], 3) == [0.75, 0.5, 0.25]
+
+
+def test_last_round_is_truncated_at_max_new_tokens(target):
+    r = decode(target, GreedyOracle(target), PROMPTS[2], steps=3, max_new_tokens=7)
+    assert r.tokens == greedy_decode(target, PROMPTS[2], 7, None)
+    assert r.accepted_per_step == [3, 3] and r.emitted_per_step == [4, 2]
+    assert r.tau == 3.0
+
+
+def test_eos_stops_speculative_and_greedy_decoding_alike(target, random_draft):
+    free = greedy_decode(target, PROMPTS[2], 12, None)
+    eos = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    expected = free[: free.index(eos) + 1]
+    assert greedy_decode(target, PROMPTS[2], 12, eos) == expected
+    for proposer in (GreedyOracle(target), random_draft):
+        assert decode(target, proposer, PROMPTS[2], max_new_tokens=12, eos=[eos, 4000]).tokens == expected
+
+
+def test_draft_proposer_matches_the_training_unroll(random_draft):
+    seq = PROMPTS[2]
+    m = len(seq) - 1
+    aux = torch.randn(m + 2, 192, generator=torch.Generator().manual_seed(0))
+    tokens, logits = DraftProposer(random_draft).chain(seq, aux[:m], 3)
+    ids = torch.tensor([seq + tokens[:2]])
+    with torch.no_grad():
+        for k, lg in random_draft.unroll(ids, aux[None], 3):
+            torch.testing.assert_close(lg[0, m - 1], logits[k], rtol=1e-5, atol=1e-5)
+            assert int(random_draft.to_target_ids(lg[0, m - 1].argmax())) == tokens[k]
+
+
+def test_check_lossless_names_prompt_and_first_difference():
+    with pytest.raises(LosslessError) as err:
+        check_lossless([5, 6, 7, 9], [5, 6, 8, 9], prompt="prompt 3 (trained draft)")
+    assert str(err.value) == (
+        "prompt 3 (trained draft): speculative decoding differs from greedy decoding at new-token position 2 "
+        "(speculative 7, greedy 8; lengths 4 and 4); the decoding loop is not lossless: this is a bug in "
+        "eyas/bench.py or a nondeterministic target"
+    )
+    expected = r"at new-token position 2 \(speculative <end>, greedy 8; lengths 2 and 3\)"
+    with pytest.raises(LosslessError, match=expected):
+        check_lossless([5, 6], [5, 6, 8], prompt="p")
+
+
+def test_float32_target_is_refused(random_target_dir, random_draft):
+    model = load_target_float64(random_target_dir).float()
+    with pytest.raises(ValueError, match=r"target model: dtype torch.float32, expected torch.float64"):
+        decode(model, random_draft, PROMPTS[0])
+
+
+def test_encode_prompts_takes_ids_text_and_conversations(random_target_dir):
+    from transformers import AutoTokenizer
+
+    from eyas.dataset import prompt_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(random_target_dir)
+    conversation = [{"role": "user", "content": "import os\n"}]
+    assert encode_prompts([[3, 4], "def f():", conversation], random_target_dir) == [
+        [3, 4], tokenizer("def f():")["input_ids"], prompt_token_ids(tokenizer, conversation),
+    ]
+    with pytest.raises(ValueError, match=r"prompt 1: empty after encoding; expected at least one token"):
+        encode_prompts([[3], []], random_target_dir)
+
+
+def write_export(root: Path, target_dir: Path, fingerprint: str) -> Path:
+    """A training checkpoint (random draft over the target's embedding), exported to SGLang format."""
+    embed = embed_weight(load_target_float64(target_dir)).detach().float()
+    draft = build_draft(ARCH, embed, *vocab_mapping(), seed=7)
+    ckpt = root / "step-00000001"
+    ckpt.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(ckpt / "model.safetensors"))
+    meta = {"arch": ARCH.to_dict(), "aux_layer_ids": AUX_IDS, "layer_id_convention": "hf_hidden_states",
+            "target_fingerprint": fingerprint}
+    (ckpt / "arch.json").write_text(json.dumps(meta))
+    (ckpt / "COMPLETE").write_text("")
+    return export_sglang(ckpt, root / "export")
+
+
+def test_run_benchmark_reports_the_schema_and_writes_json(random_target_dir, tmp_path):
+    export = write_export(tmp_path, random_target_dir, target_fingerprint(random_target_dir))
+    prompts = [PROMPTS[0], "def main():", [{"role": "user", "content": "import os\n"}]]
+    result = run_benchmark(random_target_dir, export, prompts, steps=3, max_new_tokens=10)
+    assert sorted(result) == sorted([
+        "engine", "tau_mean", "tau_per_prompt", "accept_rate_per_position", "num_verify_steps", "tau_random",
+        "accept_rate_per_position_random", "steps", "num_prompts", "max_new_tokens", "aux_layer_ids",
+        "lossless", "wall_s",
+    ])
+    assert result["lossless"] is True and result["num_prompts"] == 3 and result["aux_layer_ids"] == AUX_IDS
+    assert len(result["tau_per_prompt"]) == 3 and len(result["accept_rate_per_position"]) == 3
+    assert 1.0 <= result["tau_mean"] <= 4.0 and 1.0 <= result["tau_random"] <= 4.0
+    path = write_benchmark_json(result, tmp_path / "bench" / "benchmark.json")
+    assert json.loads(path.read_text()) == result
+
+
+def test_run_benchmark_refuses_a_draft_of_another_target(random_target_dir, tmp_path):
+    export = write_export(tmp_path, random_target_dir, "0123456789abcdef")
+    with pytest.raises(ValueError, match=r"trained for target fingerprint 0123456789abcdef, but target .* has "):
+        run_benchmark(random_target_dir, export, [PROMPTS[0]], steps=3, max_new_tokens=4)

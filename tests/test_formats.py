@@ -1,0 +1,130 @@
+"""Key maps, expected key sets and shapes, key checking and layer-id conventions."""
+
+from __future__ import annotations
+
+import pytest
+
+from eyas.draft import DraftArch, Eagle3Draft
+from eyas.formats import (
+    LAYER_ID_CONVENTIONS,
+    SGLANG_KEY_MAP,
+    KeyCheckError,
+    check_keys,
+    expected_eyas_shapes,
+    expected_sglang_shapes,
+    from_engine_layer_ids,
+    invert_key_map,
+    remap_keys,
+    to_engine_layer_ids,
+)
+
+ARCH = DraftArch(
+    hidden_size=64, num_aux=3, target_vocab_size=2048, draft_vocab_size=512,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+)
+
+
+def test_sglang_key_map_is_pinned():
+    kept = {k: v for k, v in SGLANG_KEY_MAP.items() if v is not None}
+    assert SGLANG_KEY_MAP["embed_tokens.weight"] is None
+    assert sorted(kept.values()) == [
+        "d2t",
+        "fc.weight",
+        "lm_head.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.mlp.down_proj.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight",
+        "midlayer.post_attention_layernorm.weight",
+        "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.o_proj.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.self_attn.v_proj.weight",
+        "norm.weight",
+        "t2d",
+    ]
+    assert all(k == v for k, v in kept.items())
+
+
+def test_expected_sglang_shapes_are_pinned():
+    assert expected_sglang_shapes(ARCH) == {
+        "fc.weight": (64, 192),
+        "midlayer.input_layernorm.weight": (64,),
+        "midlayer.hidden_norm.weight": (64,),
+        "midlayer.post_attention_layernorm.weight": (64,),
+        "midlayer.self_attn.q_proj.weight": (64, 128),
+        "midlayer.self_attn.k_proj.weight": (32, 128),
+        "midlayer.self_attn.v_proj.weight": (32, 128),
+        "midlayer.self_attn.o_proj.weight": (64, 64),
+        "midlayer.mlp.gate_proj.weight": (128, 64),
+        "midlayer.mlp.up_proj.weight": (128, 64),
+        "midlayer.mlp.down_proj.weight": (64, 128),
+        "norm.weight": (64,),
+        "lm_head.weight": (512, 64),
+        "d2t": (512,),
+        "t2d": (2048,),
+    }
+
+
+def test_expected_eyas_shapes_match_the_draft_module():
+    state = Eagle3Draft(ARCH).state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected_eyas_shapes(ARCH)
+    assert set(SGLANG_KEY_MAP) == set(state)
+
+
+def test_check_keys_accepts_the_exact_set():
+    check_keys(expected_sglang_shapes(ARCH), expected_sglang_shapes(ARCH), where="x")
+
+
+def test_check_keys_lists_every_offender_sorted_in_one_error():
+    expected = {"a": (1,), "b": (2, 3), "c": (4,), "d": (5,)}
+    found = {"b": (3, 2), "d": (5,), "z": (7,), "layers.0.x": (1,)}
+    with pytest.raises(KeyCheckError) as err:
+        check_keys(found, expected, where="export out/model.safetensors")
+    assert str(err.value) == (
+        "export out/model.safetensors: key set differs from the expected one\n"
+        "  missing: a (expected shape [1])\n"
+        "  missing: c (expected shape [4])\n"
+        "  unexpected: layers.0.x (shape [1])\n"
+        "  unexpected: z (shape [7])\n"
+        "  shape mismatch: b: found [3, 2], expected [2, 3]\n"
+        "  (2 missing, 2 unexpected, 1 shape mismatches); the checkpoint does not match this draft "
+        "architecture or format: re-export it from the training checkpoint"
+    )
+
+
+def test_remap_keys_refuses_a_key_the_map_does_not_know():
+    with pytest.raises(KeyCheckError, match=r"ckpt: 1 key\(s\) not in the key map: layers.0.mlp.up_proj.weight;"):
+        remap_keys(["fc.weight", "layers.0.mlp.up_proj.weight"], SGLANG_KEY_MAP, where="ckpt")
+
+
+def test_remap_keys_drops_embed_tokens_and_inverts():
+    names = remap_keys(list(SGLANG_KEY_MAP), SGLANG_KEY_MAP, where="ckpt")
+    assert "embed_tokens.weight" not in names
+    assert invert_key_map(SGLANG_KEY_MAP) == {v: k for k, v in names.items()}
+
+
+def test_sglang_layer_ids_are_canonical_minus_one():
+    assert to_engine_layer_ids([2, 16, 29], "sglang_llama") == [1, 15, 28]
+    assert from_engine_layer_ids([1, 15, 28], "sglang_llama") == [2, 16, 29]
+    assert to_engine_layer_ids([2, 30, 58], "hf_hidden_states") == [2, 30, 58]
+    assert to_engine_layer_ids([2, 16, 29], "specforge") == [1, 15, 28]
+
+
+def test_layer_id_conventions_are_pinned():
+    assert {n: c.offset for n, c in LAYER_ID_CONVENTIONS.items()} == {
+        "hf_hidden_states": 0, "sglang_llama": -1, "specforge": -1,
+    }
+
+
+def test_unknown_convention_is_refused():
+    expected = r"layer-id convention 'vllm': unknown; expected one of \['hf_hidden_states', "
+    with pytest.raises(ValueError, match=expected):
+        to_engine_layer_ids([2], "vllm")
+
+
+def test_embeddings_cannot_be_captured_by_sglang():
+    expected = r"aux_layer_ids=\[0, 4\] \(hf_hidden_states\): gives \[-1, 3\] in sglang_llama"
+    with pytest.raises(ValueError, match=expected):
+        to_engine_layer_ids([0, 4], "sglang_llama")

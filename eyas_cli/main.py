@@ -59,12 +59,11 @@ def connect() -> str:
 
 
 def run_pipeline(config, answer: str | None) -> int:
-    from eyas_cli.approval import GateWatcher
-    from eyas_cli.server import ui_url
-
-    api = connect()
+    api = connect()  # sets PREFECT_API_URL: must run before anything imports prefect
     from prefect import tags
 
+    from eyas_cli.approval import GateWatcher
+    from eyas_cli.server import ui_url
     from flows.pipeline import pipeline
 
     tag = f"eyas-{uuid.uuid4().hex[:8]}"

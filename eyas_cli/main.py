@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flow run {args.run_id}: {'rejected' if args.reject else 'approved'} by {args.reviewer}")
         return 0
     if args.command == "inspect":
-        from eyas.export import inspect_export
+        from eyas.inspect import inspect_drafter
 
-        report = inspect_export(args.path)
+        report = inspect_drafter(args.path)
         print(report.text)
         return 0 if report.ok else 1
     raise AssertionError(args.command)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def e2e_config(tmp_path_factory, tiny_target_dir):
-    """The tiny preset, smaller: fewer samples and prompts, so the whole run takes a few minutes."""
+    """The tiny preset with fewer benchmark prompts, so the whole run takes a few minutes."""
     config = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
     workdir = tmp_path_factory.mktemp("e2e-run")
     return config.model_copy(
@@ -24,11 +24,10 @@ def e2e_config(tmp_path_factory, tiny_target_dir):
             "workdir": str(workdir),
             "target": config.target.model_copy(update={"model_path": str(tiny_target_dir)}),
             "dataset": config.dataset.model_copy(
-                update={"prompts_path": str(tiny_target_dir / "prompts.jsonl"), "num_samples": 192, "max_new_tokens": 48}
+                update={"prompts_path": str(tiny_target_dir / "prompts.jsonl")}
             ),
-            "train": config.train.model_copy(update={"num_epochs": 3}),
             "bench": config.bench.model_copy(
-                update={"prompts_path": str(tiny_target_dir / "heldout_prompts.jsonl"), "num_prompts": 12,
+                update={"prompts_path": str(tiny_target_dir / "heldout_prompts.jsonl"), "num_prompts": 16,
                         "max_new_tokens": 48, "min_tau": 1.0}
             ),
         }
@@ -98,10 +97,38 @@ def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server
     assert state.is_completed(), state.message
     result = json.loads((e2e_config.paths.bench_dir / "benchmark.json").read_text())
     assert result["lossless"] is True
-    assert result["num_prompts"] == 12 and result["steps"] == 3
+    assert result["num_prompts"] == 16 and result["steps"] == 3
     assert result["tau_random"] <= 1.2
     assert result["tau_mean"] >= result["tau_random"] + 0.5, result
     record = json.loads((e2e_config.paths.root / "approval.json").read_text())
     assert record["approve"] is True and record["reviewer"] == "e2e-test"
     checkpoints = sorted((e2e_config.paths.train_dir / "checkpoints").glob("step-*"))
     assert checkpoints and all((c / "COMPLETE").exists() for c in checkpoints)
+
+
+def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server, e2e_config):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    from eyas_cli.approval import approve_run
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])))
+    assert runs, "no pipeline run recorded on the server"
+    with pytest.raises(RuntimeError, match=r"is (Completed|Failed), not Paused at the approval gate; nothing to answer"):
+        approve_run(runs[0].id, approve=True, reviewer="late")
+
+
+def test_stage_verb_runs_its_flow_alone(prefect_server, e2e_config, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    config_path = tmp_path / "run.json"
+    config_path.write_text(e2e_config.model_dump_json())
+    env = {**os.environ, "PREFECT_API_URL": prefect_server}
+    proc = subprocess.run([sys.executable, "-m", "eyas_cli.main", "verify", str(config_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["bad"] == 0 and summary["ok"] == summary["shards"] > 0

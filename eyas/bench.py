@@ -18,7 +18,6 @@ a verification round, and is not counted. tau is 1.0 when nothing is accepted, a
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,8 @@ import torch
 
 from eyas.draft import Eagle3Draft, build_draft
 from eyas.export import load_exported_draft, read_export_provenance
+from eyas.fsio import atomic_write_text
 from eyas.target import embed_weight, target_features, target_fingerprint
-
 
 Prompt = list[int] | str | list[dict]  # token ids, raw text, or a conversation [{role, content}, ...]
 
@@ -322,10 +321,5 @@ def write_benchmark_json(result: dict, path: str | Path) -> Path:
     """Write the result as JSON (temporary file, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(result, indent=2, sort_keys=True) + "\n")
     return path

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.draft import DraftArch, Eagle3Draft
+from eyas.fsio import fsync_path
 from eyas.target import LAYER_ID_CONVENTION
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -46,19 +47,6 @@ class CheckpointError(ValueError):
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -130,15 +118,15 @@ def save_checkpoint(
     torch.save(rng_state(), temp / "rng.pt")
     _write_json(temp / TRAINER_STATE_FILE, {**trainer_state, "step": step})
     for path in temp.iterdir():
-        _fsync_file(path)
-    _fsync_dir(temp)
+        fsync_path(path)
+    fsync_path(temp)
     if final.exists():  # an incomplete dir left by a crash, or a step being re-saved
         shutil.rmtree(final)
     temp.rename(final)
-    _fsync_dir(root)
+    fsync_path(root)
     (final / COMPLETE_MARKER).write_text(f"{step}\n")
-    _fsync_file(final / COMPLETE_MARKER)
-    _fsync_dir(final)
+    fsync_path(final / COMPLETE_MARKER)
+    fsync_path(final)
     rotate_checkpoints(output_dir, keep_last)
     return final
 

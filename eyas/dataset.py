@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from eyas.config import DatasetConfig
+from eyas.fsio import atomic_write_bytes, commit_temp, temp_path
 from eyas.target import Target, target_fingerprint
 
 ROLES = ("user", "assistant")
@@ -195,9 +195,9 @@ def _check_and_write(cfg, rows, ids, masks, truncated, key, out: Path, t0: float
         num_empty_mask=empty, num_truncated=truncated, content_hash=chash, seconds=round(time.time() - t0, 2),
     )
     atomic_write_bytes(out / "report.json", json.dumps(report.to_dict(), indent=2).encode())
-    tmp = out / "tokenized.parquet.tmp"
+    tmp = temp_path(out / "tokenized.parquet")
     pq.write_table(table, tmp)
-    tmp.replace(out / "tokenized.parquet")
+    commit_temp(tmp, out / "tokenized.parquet")
     return report
 
 
@@ -207,15 +207,6 @@ def _write_responses(path: Path, rows, responses, tokenizer) -> None:
         turn = {"role": "assistant", "content": tokenizer.decode(r, skip_special_tokens=True)}
         lines.append(json.dumps({"id": row["id"], "conversations": row["conversations"] + [turn]}))
     atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def read_tokenized(path: str | Path) -> tuple[list[list[int]], list[list[int]], str]:

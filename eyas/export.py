@@ -34,7 +34,9 @@ from eyas.formats import (
     remap_keys,
     to_engine_layer_ids,
 )
+from eyas.fsio import fsync_path
 from eyas.target import LAYER_ID_CONVENTION
+from eyas.vocab import check_vocab_mapping
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SGLANG_LAYER_ID_CONVENTION = "sglang_llama"
@@ -100,32 +102,6 @@ def arch_from_dict(data: dict, where: str) -> DraftArch:
     return DraftArch(**data)
 
 
-def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, where: str) -> None:
-    """t2d marks exactly draft_vocab_size ids and d2t holds offsets: arange + d2t == nonzero(t2d)."""
-    count = int(t2d.to(torch.int64).sum())
-    if count != draft_vocab_size:
-        raise ExportError(
-            f"{where}: t2d marks {count} target ids, expected draft_vocab_size={draft_vocab_size}; "
-            "the vocab mapping does not belong to this draft: rebuild it with the same draft_vocab_size"
-        )
-    ids = torch.nonzero(t2d.to(torch.bool)).flatten()
-    offsets = d2t.to(torch.int64)
-    mapped = torch.arange(draft_vocab_size) + offsets
-    if torch.equal(mapped, ids):
-        return
-    if torch.equal(offsets, ids):
-        raise ExportError(
-            f"{where}: d2t holds absolute target ids, expected offsets (target_id = i + d2t[i]); "
-            "store d2t = target_ids - arange(draft_vocab_size)"
-        )
-    bad = int(torch.nonzero(mapped != ids).flatten()[0])
-    raise ExportError(
-        f"{where}: arange + d2t differs from nonzero(t2d) first at draft id {bad} "
-        f"(maps to {int(mapped[bad])}, t2d says {int(ids[bad])}); d2t and t2d describe different vocabularies: "
-        "rebuild both from the same sorted list of target ids"
-    )
-
-
 def sglang_config(arch: DraftArch, aux_layer_ids: list[int], dtype: str) -> dict:
     """config.json of an SGLang EAGLE-3 draft; aux_layer_ids are canonical and converted here."""
     return {
@@ -166,7 +142,7 @@ def export_sglang(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: str
             f"LlamaForCausalLMEagle3 builds fc for exactly {SGLANG_NUM_AUX} aux layers: train with 3 aux layer ids"
         )
     where = f"checkpoint {ckpt.path}"
-    check_vocab_mapping(ckpt.state["d2t"], ckpt.state["t2d"], arch.draft_vocab_size, where)
+    check_vocab_mapping(ckpt.state["d2t"], ckpt.state["t2d"], where, arch.draft_vocab_size)
     names = remap_keys(ckpt.state, SGLANG_KEY_MAP, where=f"{where} (eyas -> sglang)")
     tensors = {dst: _cast(ckpt.state[src], dtype) for src, dst in names.items()}
     check_keys(_shapes(tensors), expected_sglang_shapes(arch), where=f"sglang export of {ckpt.path}")
@@ -193,14 +169,6 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomically(out: Path, tensors: dict[str, torch.Tensor], files: dict[str, dict]) -> Path:
     if out.exists() and any(out.iterdir()) and not (out / PROVENANCE_FILE).is_file():
         raise ExportError(
@@ -218,12 +186,12 @@ def _write_atomically(out: Path, tensors: dict[str, torch.Tensor], files: dict[s
     for name, data in files.items():
         (tmp / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     for child in tmp.iterdir():
-        _fsync(child)
-    _fsync(tmp)
+        fsync_path(child)
+    fsync_path(tmp)
     if out.exists():
         out.rename(old)
     tmp.rename(out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if old.exists():
         shutil.rmtree(old)
     return out
@@ -291,7 +259,7 @@ def load_exported_draft(export_dir: str | Path, target_embed: torch.Tensor) -> E
     state = {src: tensors[dst] for dst, src in invert_key_map(SGLANG_KEY_MAP).items()}
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     state["embed_tokens.weight"] = target_embed.detach().float()
-    check_vocab_mapping(state["d2t"], state["t2d"], arch.draft_vocab_size, where=f"export {root}")
+    check_vocab_mapping(state["d2t"], state["t2d"], f"export {root}", arch.draft_vocab_size)
     draft = Eagle3Draft(arch)
     draft.load_state_dict(state, strict=True)
     draft.freeze_embeddings()

@@ -25,12 +25,28 @@ from typing import Callable
 import torch
 
 from eyas.config import ExtractConfig
+from eyas.fsio import atomic_write_bytes
 from eyas.shards import (
-    FORMAT_VERSION, ShardMeta, ShardPlan, TokenizedDataset, append_manifest_row, atomic_write_bytes,
-    bytes_per_token, plan_shards, read_manifest, remove_stray_temporaries, shard_filename, write_shard,
+    FORMAT_VERSION,
+    ShardMeta,
+    ShardPlan,
+    TokenizedDataset,
+    append_manifest_row,
+    bytes_per_token,
+    plan_shards,
+    read_manifest,
+    remove_stray_temporaries,
+    shard_filename,
+    write_shard,
 )
 from eyas.target import (
-    LAYER_ID_CONVENTION, Target, load_target, resolve_aux_layer_ids, target_features, target_fingerprint, torch_dtype,
+    LAYER_ID_CONVENTION,
+    Target,
+    load_target,
+    resolve_aux_layer_ids,
+    target_features,
+    target_fingerprint,
+    torch_dtype,
 )
 
 RUN_META_NAME = "extract.json"

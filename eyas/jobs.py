@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from eyas.config import RunConfig, TrainJob
+from eyas.fsio import atomic_write_text
 from eyas.target import resolve_aux_layer_ids
 
 
@@ -40,9 +41,7 @@ def train_job(config: RunConfig, output_dir: Path | None = None, max_samples: in
 
 def write_train_job(job: TrainJob, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(job.model_dump_json(indent=2))
-    tmp.replace(path)
+    atomic_write_text(path, job.model_dump_json(indent=2))
     return path
 
 

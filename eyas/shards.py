@@ -28,12 +28,13 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from eyas.fsio import TMP_MARKER, atomic_write_bytes, fsync_path
+
 FORMAT_VERSION = "1"
 MANIFEST_NAME = "manifest.parquet"
 QUARANTINE_DIR = "quarantine"
 DATASET_HASH_KEY = b"eyas.content_hash"
 SHARD_NAME_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
-TMP_MARKER = ".tmp-"
 # Per-token bytes besides the hidden states: input_ids (int64) + loss_mask (uint8).
 TOKEN_OVERHEAD_BYTES = 9
 SHARD_TENSOR_NAMES = (
@@ -142,26 +143,6 @@ class ManifestRow:
     sha256: str
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to `.{name}.tmp-{pid}` beside `path`, fsync, rename over `path`, fsync the directory."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def sha256_file(path: Path, *, chunk_bytes: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -249,7 +230,7 @@ def quarantine_shards(shards_dir: Path, files: Sequence[str]) -> list[Path]:
             dst = qdir / f"{name}.{stamp}"
             os.replace(src, dst)
             moved.append(dst)
-    fsync_dir(shards_dir)
+    fsync_path(shards_dir)
     rows, names = read_manifest(shards_dir), set(files)
     kept = [r for r in rows if r.file not in names]
     if len(kept) != len(rows):

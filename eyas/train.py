@@ -32,36 +32,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import nn
 
 from eyas.checkpoint import latest_complete, load_training_state, read_arch, save_checkpoint
 from eyas.config import TrainConfig, TrainJob
 from eyas.data import ShardSamples, batch_at, collate, rank_slice, steps_per_epoch
 from eyas.draft import DraftArch, Eagle3Draft, build_draft, ttt_loss
+from eyas.fsio import atomic_write_text
 from eyas.target import load_embed_and_lm_head, target_fingerprint
+from eyas.vocab import load_vocab
 
 METRIC_PREFIX = "EYAS_METRIC "
 
 
 def load_job(path: str | Path) -> TrainJob:
     return TrainJob.model_validate_json(Path(path).read_text())
-
-
-def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [Vd] offsets, t2d bool [V]) from vocab.safetensors, checked against each other."""
-    tensors = load_file(path)
-    missing = sorted({"d2t", "t2d"} - tensors.keys())
-    if missing:
-        raise KeyError(f"vocab {path}: missing {missing}; expected d2t and t2d as written by the vocab stage")
-    d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
-    mapped = torch.arange(d2t.numel()) + d2t
-    if int(t2d.sum()) != d2t.numel() or not torch.equal(mapped, torch.nonzero(t2d).flatten()):
-        raise ValueError(
-            f"vocab {path}: arange + d2t does not equal nonzero(t2d) (t2d.sum()={int(t2d.sum())}, "
-            f"draft vocab {d2t.numel()}); d2t must hold offsets to sorted target ids; rebuild the vocab"
-        )
-    return d2t, t2d
 
 
 @dataclass
@@ -89,7 +74,7 @@ def _check_shards(samples: ShardSamples, job: TrainJob, hidden_size: int, finger
 def build_setup(job: TrainJob) -> TrainSetup:
     samples = ShardSamples(job.shards_dir, max_samples=job.max_samples)
     embed, lm_head = load_embed_and_lm_head(job.target_path)
-    d2t, t2d = load_vocab(job.vocab_path)
+    d2t, t2d, _ = load_vocab(job.vocab_path)
     vocab, hidden = embed.shape
     if lm_head.shape != embed.shape or t2d.numel() != vocab:
         raise ValueError(
@@ -232,9 +217,7 @@ def emit_metrics(record: dict, output_dir: Path) -> None:
 
 
 def write_final(output_dir: Path, final: dict) -> None:
-    temp = output_dir / "final.json.tmp"
-    temp.write_text(json.dumps(final, indent=2) + "\n")
-    temp.replace(output_dir / "final.json")
+    atomic_write_text(output_dir / "final.json", json.dumps(final, indent=2) + "\n")
 
 
 class Trainer:

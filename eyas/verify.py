@@ -22,9 +22,19 @@ import pyarrow.parquet as pq
 import torch
 from safetensors import SafetensorError, safe_open
 
+from eyas.fsio import atomic_write_bytes
 from eyas.shards import (
-    FORMAT_VERSION, SHARD_NAME_RE, SHARD_TENSOR_NAMES, ManifestRow, ShardMeta, TokenizedDataset,
-    atomic_write_bytes, read_dataset_hash, read_manifest, sha256_file, shard_filename, shard_files,
+    FORMAT_VERSION,
+    SHARD_NAME_RE,
+    SHARD_TENSOR_NAMES,
+    ManifestRow,
+    ShardMeta,
+    TokenizedDataset,
+    read_dataset_hash,
+    read_manifest,
+    sha256_file,
+    shard_filename,
+    shard_files,
 )
 from eyas.target import LAYER_ID_CONVENTION
 

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eyas.fsio import commit_temp, temp_path
+
 
 class VocabMappingError(ValueError):
     """d2t / t2d violate the mapping's invariants."""
@@ -39,30 +41,44 @@ def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[to
     t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
     t2d[chosen] = True
     d2t = chosen - torch.arange(draft_vocab_size)
-    check_vocab_mapping(d2t, t2d)
+    check_vocab_mapping(d2t, t2d, "vocab mapping")
     return d2t, t2d
 
 
-def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab mapping") -> None:
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, where: str, draft_vocab_size: int | None = None) -> None:
+    """t2d marks exactly draft_vocab_size ids and d2t holds offsets: arange + d2t == nonzero(t2d)."""
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
         raise VocabMappingError(f"{where}: dtypes d2t {d2t.dtype}, t2d {t2d.dtype}; expected int64 and bool")
-    if int(t2d.sum()) != d2t.numel():
+    size = d2t.numel() if draft_vocab_size is None else draft_vocab_size
+    count = int(t2d.sum())
+    if count != size or d2t.numel() != size:
         raise VocabMappingError(
-            f"{where}: t2d selects {int(t2d.sum())} target ids, expected draft_vocab_size={d2t.numel()}"
+            f"{where}: t2d marks {count} target ids, d2t has {d2t.numel()}, expected draft_vocab_size={size}; "
+            "the vocab mapping does not belong to this draft: rebuild it with the same draft_vocab_size"
         )
-    if not torch.equal(torch.arange(d2t.numel()) + d2t, t2d.nonzero().flatten()):
+    ids = t2d.nonzero().flatten()
+    mapped = torch.arange(size) + d2t
+    if torch.equal(mapped, ids):
+        return
+    if torch.equal(d2t, ids):
         raise VocabMappingError(
-            f"{where}: arange + d2t != nonzero(t2d); d2t must hold offsets (target_id - draft_id), "
-            f"not absolute target ids, in ascending target-id order"
+            f"{where}: d2t holds absolute target ids, expected offsets (target_id = i + d2t[i]); "
+            "store d2t = target_ids - arange(draft_vocab_size)"
         )
+    bad = int(torch.nonzero(mapped != ids).flatten()[0])
+    raise VocabMappingError(
+        f"{where}: arange + d2t differs from nonzero(t2d) first at draft id {bad} "
+        f"(maps to {int(mapped[bad])}, t2d says {int(ids[bad])}); d2t and t2d describe different vocabularies: "
+        "rebuild both from the same sorted list of target ids"
+    )
 
 
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, content_hash: str) -> None:
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     meta = {"content_hash": content_hash, "draft_vocab_size": str(d2t.numel()), "target_vocab_size": str(t2d.numel())}
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp, metadata=meta)
-    tmp.replace(path)
+    commit_temp(tmp, path)
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -17,13 +17,13 @@ from prefect.input import RunInput
 from pydantic import Field
 
 from eyas.config import RunConfig
-from eyas.dataset import atomic_write_bytes
+from eyas.fsio import atomic_write_text
 
 GATE_SECTIONS = ("target", "dataset", "extract", "draft", "train")
 
 
 class TrainingApproval(RunInput):
-    approve: bool = Field(description="start the training run")
+    approve: bool = Field(default=False, description="tick to start the training run; leave unticked to reject")
     reviewer: str = Field(min_length=1, description="who decides")
     note: str = Field(default="", description="why (shown in the decision artifact)")
 
@@ -43,7 +43,8 @@ def approval_gate(config: RunConfig, summary_md: str) -> TrainingApproval:
             return TrainingApproval(approve=True, reviewer=record["reviewer"], note=record["note"])
     print("waiting for approval: answer in the UI (Resume), or `eyas approve <flow-run-id> [--reject]`")
     answer = pause_flow_run(
-        wait_for_input=TrainingApproval.with_initial_data(description=summary_md, approve=False, reviewer=""),
+        # only the description is passed: initial values given here would drop the fields' constraints
+        wait_for_input=TrainingApproval.with_initial_data(description=summary_md),
         timeout=config.approval.timeout_s,
         poll_interval=2,
     )
@@ -59,5 +60,5 @@ def approval_gate(config: RunConfig, summary_md: str) -> TrainingApproval:
     if not answer.approve:
         raise TrainingRejected(f"training rejected by {answer.reviewer}: {answer.note or 'no note'}; nothing was trained")
     config.paths.root.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(record_path, json.dumps(record, indent=2).encode())
+    atomic_write_text(record_path, json.dumps(record, indent=2))
     return answer

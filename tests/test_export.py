@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from eyas.draft import DraftArch, build_draft
 from eyas.export import ExportError, export_sglang, load_exported_draft, read_checkpoint, read_export_provenance
 from eyas.formats import KeyCheckError, expected_sglang_shapes
+from eyas.vocab import VocabMappingError
 
 ARCH = DraftArch(
     hidden_size=64, num_aux=3, target_vocab_size=2048, draft_vocab_size=512,
@@ -102,7 +103,7 @@ def test_export_refuses_absolute_d2t(tmp_path):
         state["d2t"] = state["d2t"] + torch.arange(512)
 
     ckpt = write_checkpoint(tmp_path / "ckpt", state_edit=absolute)
-    with pytest.raises(ExportError) as err:
+    with pytest.raises(VocabMappingError) as err:
         export_sglang(ckpt, tmp_path / "export")
     assert str(err.value) == (
         f"checkpoint {ckpt}: d2t holds absolute target ids, expected offsets (target_id = i + d2t[i]); "
@@ -116,10 +117,11 @@ def test_export_refuses_t2d_count_mismatch(tmp_path):
         state["t2d"][int(torch.nonzero(~state["t2d"])[0])] = True
 
     ckpt = write_checkpoint(tmp_path / "ckpt", state_edit=extra)
-    with pytest.raises(ExportError) as err:
+    with pytest.raises(VocabMappingError) as err:
         export_sglang(ckpt, tmp_path / "export")
     assert str(err.value) == (
-        f"checkpoint {ckpt}: t2d marks 513 target ids, expected draft_vocab_size=512; the vocab mapping does "
+        f"checkpoint {ckpt}: t2d marks 513 target ids, d2t has 512, expected draft_vocab_size=512; the vocab "
+        "mapping does "
         "not belong to this draft: rebuild it with the same draft_vocab_size"
     )
 
@@ -129,7 +131,7 @@ def test_export_refuses_d2t_of_another_vocabulary(tmp_path):
         state["d2t"][5] += 1
 
     ckpt = write_checkpoint(tmp_path / "ckpt", state_edit=shifted)
-    with pytest.raises(ExportError, match=r"arange \+ d2t differs from nonzero\(t2d\) first at draft id 5 "):
+    with pytest.raises(VocabMappingError, match=r"arange \+ d2t differs from nonzero\(t2d\) first at draft id 5 "):
         export_sglang(ckpt, tmp_path / "export")
 
 

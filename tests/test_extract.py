@@ -13,7 +13,10 @@ import torch
 
 from eyas.config import ExtractConfig
 from eyas.extract import (
-    AuxWidthError, ExtractConfigMismatchError, check_aux_width, extract_hidden_states,
+    AuxWidthError,
+    ExtractConfigMismatchError,
+    check_aux_width,
+    extract_hidden_states,
 )
 from eyas.shards import load_shard, read_manifest, sha256_file, shard_filename, write_manifest
 from eyas.target import load_target, target_features

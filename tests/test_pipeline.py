@@ -34,8 +34,10 @@ def e2e_config(tmp_path_factory, tiny_target_dir):
     )
 
 
-def answer_gate_via_api(tag: str, approve: bool, answered: list) -> None:
-    """Poll the server for the tagged run; once it is Paused, resume it with the typed input."""
+def answer_gate_via_api(tag: str, approve: bool, answered: list, refused: list) -> None:
+    """Poll the server for the tagged run; once it is Paused, resume it with the typed input.
+
+    First it sends an input without a reviewer: the server must refuse it and keep the run paused."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.flow_runs import resume_flow_run
@@ -46,6 +48,11 @@ def answer_gate_via_api(tag: str, approve: bool, answered: list) -> None:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
         for run in runs:
             if run.state is not None and run.state.is_paused():
+                try:
+                    resume_flow_run(run.id, run_input={"approve": approve, "reviewer": ""})
+                except RuntimeError as err:
+                    with get_client(sync_client=True) as client:
+                        refused.append((str(err), client.read_flow_run(run.id).state.is_paused()))
                 resume_flow_run(run.id, run_input={"approve": approve, "reviewer": "e2e-test", "note": "via API"})
                 answered.append(run.id)
                 return
@@ -59,11 +66,13 @@ def run_pipeline_answering(config, approve: bool):
 
     tag = f"e2e-{uuid.uuid4().hex[:8]}"
     answered: list = []
-    thread = threading.Thread(target=answer_gate_via_api, args=(tag, approve, answered), daemon=True)
+    refused: list = []
+    thread = threading.Thread(target=answer_gate_via_api, args=(tag, approve, answered, refused), daemon=True)
     thread.start()
     with tags(tag):
         state = pipeline(config, return_state=True)
     thread.join(timeout=5)
+    assert refused and refused[0][1], f"an input without a reviewer was not refused by the server: {refused}"
     return state, answered
 
 

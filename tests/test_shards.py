@@ -10,9 +10,22 @@ import pytest
 import torch
 
 from eyas.shards import (
-    MANIFEST_NAME, TOKEN_OVERHEAD_BYTES, ManifestRow, ShardMeta, ShardPlan, TokenizedDataset, append_manifest_row,
-    bytes_per_token, load_shard, plan_shards, quarantine_shards, read_manifest, remove_stray_temporaries,
-    sha256_file, shard_filename, write_shard,
+    MANIFEST_NAME,
+    TOKEN_OVERHEAD_BYTES,
+    ManifestRow,
+    ShardMeta,
+    ShardPlan,
+    TokenizedDataset,
+    append_manifest_row,
+    bytes_per_token,
+    load_shard,
+    plan_shards,
+    quarantine_shards,
+    read_manifest,
+    remove_stray_temporaries,
+    sha256_file,
+    shard_filename,
+    write_shard,
 )
 
 

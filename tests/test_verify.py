@@ -15,9 +15,12 @@ from eyas.config import ExtractConfig
 from eyas.extract import extract_hidden_states
 from eyas.shards import load_shard, quarantine_shards, read_manifest, shard_filename, write_manifest, write_shard
 from eyas.verify import (
-    ShardVerificationError, expected_shard_meta, raise_if_bad, verify_shards, write_verify_report,
+    ShardVerificationError,
+    expected_shard_meta,
+    raise_if_bad,
+    verify_shards,
+    write_verify_report,
 )
-
 
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=4)  # ~63 tokens of H=64 float32 per shard
 

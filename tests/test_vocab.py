@@ -32,13 +32,13 @@ def test_draft_vocab_larger_than_target_is_refused():
 
 def test_absolute_ids_instead_of_offsets_are_refused():
     t2d = torch.tensor([False, True, False, True])
-    with pytest.raises(VocabMappingError, match="d2t must hold offsets"):
-        check_vocab_mapping(torch.tensor([1, 3]), t2d)
+    with pytest.raises(VocabMappingError, match=r"where: d2t holds absolute target ids, expected offsets"):
+        check_vocab_mapping(torch.tensor([1, 3]), t2d, "where")
 
 
 def test_t2d_count_must_equal_draft_vocab():
-    with pytest.raises(VocabMappingError, match=r"t2d selects 3 target ids, expected draft_vocab_size=2"):
-        check_vocab_mapping(torch.tensor([1, 2]), torch.tensor([False, True, True, True]))
+    with pytest.raises(VocabMappingError, match=r"t2d marks 3 target ids, d2t has 2, expected draft_vocab_size=2"):
+        check_vocab_mapping(torch.tensor([1, 2]), torch.tensor([False, True, True, True]), "where")
 
 
 def test_mapping_is_cached_by_content_hash(tmp_path):

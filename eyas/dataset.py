@@ -67,7 +67,9 @@ def read_prompts(path: str | Path, num_samples: int = 0) -> list[dict]:
 def check_conversation(row: dict, where: str) -> None:
     turns = row.get("conversations")
     if "id" not in row or not isinstance(turns, list) or not turns:
-        raise DatasetError(f"{where}: expected {{id, conversations: [{{role, content}}, ...]}}, found keys {sorted(row)}")
+        raise DatasetError(
+            f"{where}: expected {{id, conversations: [{{role, content}}, ...]}}, found keys {sorted(row)}"
+        )
     if turns[0].get("role") == "system":
         turns = turns[1:]
     roles = [t.get("role") for t in turns]
@@ -99,8 +101,12 @@ def generate_responses(
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         gen = target.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad, eos_token_id=eos,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=eos,
         )
         for row in gen[:, width:].tolist():
             if eos is not None and eos in row:
@@ -133,7 +139,11 @@ def read_tokenized_meta(path: Path) -> dict[str, str]:
 
 
 def build_dataset(
-    cfg: DatasetConfig, target_path: str | Path, out_dir: str | Path, *, target_dtype: str = "float32",
+    cfg: DatasetConfig,
+    target_path: str | Path,
+    out_dir: str | Path,
+    *,
+    target_dtype: str = "float32",
     progress: Callable | None = None,
 ) -> DatasetReport:
     """Regenerate, tokenize and write the table; reuse it when the cache key (prompts, config, target) matches."""
@@ -191,8 +201,13 @@ def _check_and_write(cfg, rows, ids, masks, truncated, key, out: Path, t0: float
     ).replace_schema_metadata({"eyas.content_hash": chash, "eyas.cache_key": key})
     out.mkdir(parents=True, exist_ok=True)
     report = DatasetReport(
-        num_samples=len(ids), num_tokens=sum(map(len, ids)), num_loss_tokens=sum(map(sum, masks)),
-        num_empty_mask=empty, num_truncated=truncated, content_hash=chash, seconds=round(time.time() - t0, 2),
+        num_samples=len(ids),
+        num_tokens=sum(map(len, ids)),
+        num_loss_tokens=sum(map(sum, masks)),
+        num_empty_mask=empty,
+        num_truncated=truncated,
+        content_hash=chash,
+        seconds=round(time.time() - t0, 2),
     )
     atomic_write_bytes(out / "report.json", json.dumps(report.to_dict(), indent=2).encode())
     tmp = temp_path(out / "tokenized.parquet")

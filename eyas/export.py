@@ -43,8 +43,16 @@ SGLANG_LAYER_ID_CONVENTION = "sglang_llama"
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 PROVENANCE_FILE = "eyas_export.json"
 _SGLANG_CONFIG_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-    "rope_theta", "max_position_embeddings", "vocab_size", "draft_vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "vocab_size",
+    "draft_vocab_size",
 )
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -80,10 +80,17 @@ class ExtractRunMeta:
 
     def shard_meta(self, plan: ShardPlan) -> ShardMeta:
         return ShardMeta(
-            target_fingerprint=self.target_fingerprint, aux_layer_ids=tuple(self.aux_layer_ids),
-            layer_id_convention=self.layer_id_convention, hidden_size=self.hidden_size, num_aux=self.num_aux,
-            dtype=self.dtype, backend=self.backend, dataset_hash=self.dataset_hash, shard_index=plan.index,
-            sample_start=plan.sample_start, sample_end=plan.sample_end,
+            target_fingerprint=self.target_fingerprint,
+            aux_layer_ids=tuple(self.aux_layer_ids),
+            layer_id_convention=self.layer_id_convention,
+            hidden_size=self.hidden_size,
+            num_aux=self.num_aux,
+            dtype=self.dtype,
+            backend=self.backend,
+            dataset_hash=self.dataset_hash,
+            shard_index=plan.index,
+            sample_start=plan.sample_start,
+            sample_end=plan.sample_end,
         )
 
 
@@ -151,7 +158,8 @@ def check_run_meta(shards_dir: Path, current: ExtractRunMeta) -> None:
     wanted = asdict(current)
     diffs = [
         f"{k}={recorded.get(k)!r} there, {wanted.get(k)!r} now"
-        for k in sorted(set(recorded) | set(wanted)) if recorded.get(k) != wanted.get(k)
+        for k in sorted(set(recorded) | set(wanted))
+        if recorded.get(k) != wanted.get(k)
     ]
     if diffs:
         raise ExtractConfigMismatchError(
@@ -196,8 +204,13 @@ def _features(target: Target, samples: list[torch.Tensor], aux_layer_ids: list[i
 
 
 def _extract_shard(
-    target: Target, dataset: TokenizedDataset, plan: ShardPlan, aux_layer_ids: list[int], *,
-    extract_cfg: ExtractConfig, device: str,
+    target: Target,
+    dataset: TokenizedDataset,
+    plan: ShardPlan,
+    aux_layer_ids: list[int],
+    *,
+    extract_cfg: ExtractConfig,
+    device: str,
 ) -> dict[str, torch.Tensor]:
     input_ids, loss_mask = dataset.tokens(plan.sample_start, plan.sample_end)
     lengths = torch.tensor(dataset.num_tokens[plan.sample_start : plan.sample_end], dtype=torch.int64)
@@ -217,15 +230,22 @@ def _extract_shard(
             aux_out[offsets[i] : offsets[i + 1]] = aux.to(dtype).cpu()
             last_out[offsets[i] : offsets[i + 1]] = last.to(dtype).cpu()
     return {
-        "input_ids": input_ids, "loss_mask": loss_mask, "aux_hidden_states": aux_out, "last_hidden_states": last_out,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "aux_hidden_states": aux_out,
+        "last_hidden_states": last_out,
         "sample_offsets": offsets,
         "sample_indices": torch.arange(plan.sample_start, plan.sample_end, dtype=torch.int64),
     }
 
 
 def describe_extraction(
-    *, dataset: TokenizedDataset, target_path: str | Path, aux_layer_ids: list[int] | None,
-    extract_cfg: ExtractConfig, target_dtype: str = "float32",
+    *,
+    dataset: TokenizedDataset,
+    target_path: str | Path,
+    aux_layer_ids: list[int] | None,
+    extract_cfg: ExtractConfig,
+    target_dtype: str = "float32",
 ) -> tuple[ExtractRunMeta, list[ShardPlan]]:
     """The run's parameters (what `extract.json` records) and its shard plan, without loading the target."""
     num_layers, hidden = target_dims(target_path)
@@ -233,10 +253,18 @@ def describe_extraction(
     bpt = bytes_per_token(hidden_size=hidden, num_aux=len(aux_ids), dtype=extract_cfg.dtype)
     plan = plan_shards(dataset.num_tokens, bpt, extract_cfg.shard_bytes)
     run = ExtractRunMeta(
-        format_version=FORMAT_VERSION, target_fingerprint=target_fingerprint(target_path), aux_layer_ids=aux_ids,
-        layer_id_convention=LAYER_ID_CONVENTION, hidden_size=hidden, num_aux=len(aux_ids), dtype=extract_cfg.dtype,
-        target_dtype=target_dtype, backend=extract_cfg.backend, dataset_hash=dataset.dataset_hash,
-        shard_bytes=extract_cfg.shard_bytes, num_shards=len(plan),
+        format_version=FORMAT_VERSION,
+        target_fingerprint=target_fingerprint(target_path),
+        aux_layer_ids=aux_ids,
+        layer_id_convention=LAYER_ID_CONVENTION,
+        hidden_size=hidden,
+        num_aux=len(aux_ids),
+        dtype=extract_cfg.dtype,
+        target_dtype=target_dtype,
+        backend=extract_cfg.backend,
+        dataset_hash=dataset.dataset_hash,
+        shard_bytes=extract_cfg.shard_bytes,
+        num_shards=len(plan),
     )
     return run, plan
 
@@ -258,8 +286,10 @@ def _exclusive(shards_dir: Path):
 def _load_target_for(run: ExtractRunMeta, target_path: str | Path, device: str) -> Target:
     target = load_target(target_path, run.target_dtype)
     if target.hidden_size != run.hidden_size:
-        raise ValueError(f"target {target_path}: loaded model has H={target.hidden_size}, config.json says "
-                         f"{run.hidden_size}; the model directory changed during the run")
+        raise ValueError(
+            f"target {target_path}: loaded model has H={target.hidden_size}, config.json says "
+            f"{run.hidden_size}; the model directory changed during the run"
+        )
     target.model.to(device)
     return target
 
@@ -281,18 +311,29 @@ def extract_hidden_states(
     shards_dir = Path(shards_dir)
     shards_dir.mkdir(parents=True, exist_ok=True)
     dataset = TokenizedDataset(Path(tokenized_path))
-    run, plan = describe_extraction(dataset=dataset, target_path=target_path, aux_layer_ids=aux_layer_ids,
-                                    extract_cfg=extract_cfg, target_dtype=target_dtype)
+    run, plan = describe_extraction(
+        dataset=dataset,
+        target_path=target_path,
+        aux_layer_ids=aux_layer_ids,
+        extract_cfg=extract_cfg,
+        target_dtype=target_dtype,
+    )
     with _exclusive(shards_dir):
         check_run_meta(shards_dir, run)
         strays = remove_stray_temporaries(shards_dir)
         done = _check_manifest_against_plan(shards_dir, plan)
         todo = [p for p in plan if p.index not in done]
         summary = ExtractSummary(
-            shards_total=len(plan), shards_written=0, shards_skipped=len(done),
+            shards_total=len(plan),
+            shards_written=0,
+            shards_skipped=len(done),
             unlisted_rewritten=sum((shards_dir / shard_filename(p.index)).exists() for p in todo),
-            strays_removed=len(strays), samples_total=len(dataset), tokens_written=0, seconds=0.0,
-            aux_layer_ids=run.aux_layer_ids, hidden_size=run.hidden_size,
+            strays_removed=len(strays),
+            samples_total=len(dataset),
+            tokens_written=0,
+            seconds=0.0,
+            aux_layer_ids=run.aux_layer_ids,
+            hidden_size=run.hidden_size,
         )
         report = _progress_reporter(progress, plan, done, len(dataset))
         report(None)
@@ -310,7 +351,8 @@ def extract_hidden_states(
 def _progress_reporter(progress, plan: list[ShardPlan], done: set[int], samples_total: int):
     """A function called with each finished shard (None at start) that forwards counts to `progress`."""
     state = {
-        "shards_done": len(done), "samples_done": sum(plan[i].sample_end - plan[i].sample_start for i in done),
+        "shards_done": len(done),
+        "samples_done": sum(plan[i].sample_end - plan[i].sample_start for i in done),
         "tokens_done": sum(plan[i].num_tokens for i in done),
     }
 
@@ -320,7 +362,13 @@ def _progress_reporter(progress, plan: list[ShardPlan], done: set[int], samples_
             state["samples_done"] += p.sample_end - p.sample_start
             state["tokens_done"] += p.num_tokens
         if progress is not None:
-            progress({**state, "shards_total": len(plan), "samples_total": samples_total,
-                      "shard_index": None if p is None else p.index})
+            progress(
+                {
+                    **state,
+                    "shards_total": len(plan),
+                    "samples_total": samples_total,
+                    "shard_index": None if p is None else p.index,
+                }
+            )
 
     return report

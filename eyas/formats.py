@@ -129,9 +129,7 @@ LAYER_ID_CONVENTIONS: dict[str, LayerIdConvention] = {
         LayerIdConvention(
             "sglang_llama", -1, "SGLang Llama/Qwen eagle_config ids: SGLang captures the input of layer id+1"
         ),
-        LayerIdConvention(
-            "specforge", -1, "SpecForge: the output of layer id, i.e. HF hidden_states[id + 1]"
-        ),
+        LayerIdConvention("specforge", -1, "SpecForge: the output of layer id, i.e. HF hidden_states[id + 1]"),
     )
 }
 

@@ -32,8 +32,16 @@ class InspectReport:
     def text(self) -> str:
         lines = [f"{self.path}: format {self.format}, {len(self.shapes)} tensors"]
         lines += [f"  {name:48s} {list(shape)}" for name, shape in sorted(self.shapes.items())]
-        for key in ("architectures", "draft_vocab_size", "vocab_size", "hidden_size", "tie_word_embeddings",
-                    "eagle_config", "aux_layer_ids", "layer_id_convention"):
+        for key in (
+            "architectures",
+            "draft_vocab_size",
+            "vocab_size",
+            "hidden_size",
+            "tie_word_embeddings",
+            "eagle_config",
+            "aux_layer_ids",
+            "layer_id_convention",
+        ):
             if key in self.config:
                 lines.append(f"  config.{key} = {json.dumps(self.config[key])}")
         lines.append("problems:" if self.problems else "no problems found")

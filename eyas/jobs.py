@@ -48,9 +48,15 @@ def write_train_job(job: TrainJob, path: Path) -> Path:
 def torchrun_command(config: RunConfig, job_path: Path) -> list[str]:
     """The exact command the train stage runs (torchrun through the current interpreter)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
         f"--nproc_per_node={config.train.num_processes}",
-        "-m", "eyas.train", "--config", str(job_path),
+        "-m",
+        "eyas.train",
+        "--config",
+        str(job_path),
     ]
 
 

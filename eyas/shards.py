@@ -38,12 +38,24 @@ SHARD_NAME_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 # Per-token bytes besides the hidden states: input_ids (int64) + loss_mask (uint8).
 TOKEN_OVERHEAD_BYTES = 9
 SHARD_TENSOR_NAMES = (
-    "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states", "sample_offsets", "sample_indices",
+    "input_ids",
+    "loss_mask",
+    "aux_hidden_states",
+    "last_hidden_states",
+    "sample_offsets",
+    "sample_indices",
 )
-MANIFEST_SCHEMA = pa.schema([
-    ("shard_index", pa.int64()), ("file", pa.string()), ("sample_start", pa.int64()),
-    ("sample_end", pa.int64()), ("num_tokens", pa.int64()), ("num_bytes", pa.int64()), ("sha256", pa.string()),
-])
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("shard_index", pa.int64()),
+        ("file", pa.string()),
+        ("sample_start", pa.int64()),
+        ("sample_end", pa.int64()),
+        ("num_tokens", pa.int64()),
+        ("num_bytes", pa.int64()),
+        ("sha256", pa.string()),
+    ]
+)
 
 
 def shard_filename(index: int) -> str:
@@ -161,8 +173,13 @@ def write_shard(shards_dir: Path, tensors: dict[str, torch.Tensor], meta: ShardM
     name = shard_filename(meta.shard_index)
     atomic_write_bytes(Path(shards_dir) / name, data)
     return ManifestRow(
-        shard_index=meta.shard_index, file=name, sample_start=meta.sample_start, sample_end=meta.sample_end,
-        num_tokens=int(tensors["input_ids"].shape[0]), num_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+        shard_index=meta.shard_index,
+        file=name,
+        sample_start=meta.sample_start,
+        sample_end=meta.sample_end,
+        num_tokens=int(tensors["input_ids"].shape[0]),
+        num_bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
     )
 
 
@@ -282,9 +299,7 @@ class TokenizedDataset:
             raise ValueError(f"tokenized dataset {self.path}: sample_index is not 0..{n - 1} in order; rebuild it")
         for name, col in (("input_ids", self.input_ids), ("loss_mask", self.loss_mask)):
             if pc.list_value_length(col).to_pylist() != self.num_tokens:
-                raise ValueError(
-                    f"tokenized dataset {self.path}: {name} lengths differ from num_tokens; rebuild it"
-                )
+                raise ValueError(f"tokenized dataset {self.path}: {name} lengths differ from num_tokens; rebuild it")
 
     def __len__(self) -> int:
         return len(self.num_tokens)

@@ -66,12 +66,14 @@ def module_table(draft: Eagle3Draft) -> list[dict]:
     for name in MODULE_ROWS:
         params = dict(modules[name].named_parameters())
         covered.update(f"{name}.{p}" for p in params)
-        rows.append({
-            "module": name,
-            "num_params": sum(p.numel() for p in params.values()),
-            "shapes": {p: list(t.shape) for p, t in params.items()},
-            "trainable": all(t.requires_grad for t in params.values()),
-        })
+        rows.append(
+            {
+                "module": name,
+                "num_params": sum(p.numel() for p in params.values()),
+                "shapes": {p: list(t.shape) for p, t in params.items()},
+                "trainable": all(t.requires_grad for t in params.values()),
+            }
+        )
     uncovered = sorted(dict(draft.named_parameters()).keys() - covered)
     if uncovered:
         raise ValueError(f"module_table: parameters {uncovered} belong to no row of {MODULE_ROWS}; add their module")
@@ -116,17 +118,36 @@ def smoke_train(job: TrainJob, smoke: SmokeConfig) -> SmokeResult:
         losses.append(reduce_stats(stats, t.ttt_decay)["loss"])
     window = min(LOSS_WINDOW, smoke.num_steps // 2)
     first, last = _mean(losses[:window]), _mean(losses[-window:])
-    trainer_state = {"samples_consumed": smoke.num_steps * smoke.num_samples, "epoch": 0, "world_size": 1,
-                     "global_batch_size": smoke.num_samples, "loss": losses[-1], "smoke": True}
+    trainer_state = {
+        "samples_consumed": smoke.num_steps * smoke.num_samples,
+        "epoch": 0,
+        "world_size": 1,
+        "global_batch_size": smoke.num_samples,
+        "loss": losses[-1],
+        "smoke": True,
+    }
     checkpoint = save_checkpoint(
-        output_dir, smoke.num_steps, draft=setup.draft, optimizer=optimizer, scheduler=scheduler,
-        trainer_state=trainer_state, aux_layer_ids=job.aux_layer_ids, target_fingerprint=setup.fingerprint,
+        output_dir,
+        smoke.num_steps,
+        draft=setup.draft,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state=trainer_state,
+        aux_layer_ids=job.aux_layer_ids,
+        target_fingerprint=setup.fingerprint,
         keep_last=t.keep_last_checkpoints,
     )
     result = SmokeResult(
-        losses=losses, first=first, last=last, passed=last < (1 - smoke.min_loss_drop) * first,
-        seconds=round(time.monotonic() - start, 3), checkpoint=str(checkpoint), modules=module_table(setup.draft),
-        num_steps=smoke.num_steps, num_samples=smoke.num_samples, min_loss_drop=smoke.min_loss_drop,
+        losses=losses,
+        first=first,
+        last=last,
+        passed=last < (1 - smoke.min_loss_drop) * first,
+        seconds=round(time.monotonic() - start, 3),
+        checkpoint=str(checkpoint),
+        modules=module_table(setup.draft),
+        num_steps=smoke.num_steps,
+        num_samples=smoke.num_samples,
+        min_loss_drop=smoke.min_loss_drop,
     )
     (output_dir / "smoke.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result

@@ -103,7 +103,10 @@ def load_target(model_path: str | Path, dtype: str = "float32") -> Target:
 
 @torch.no_grad()
 def target_features(
-    model: torch.nn.Module, input_ids: torch.Tensor, aux_layer_ids: list[int], attention_mask: torch.Tensor | None = None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    aux_layer_ids: list[int],
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward pass: (aux [B,T,n_aux*H], last hidden [B,T,H], logits [B,T,V])."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
@@ -133,7 +136,9 @@ def load_embed_and_lm_head(model_path: str | Path) -> tuple[torch.Tensor, torch.
             for key in wanted.keys() & set(f.keys()):
                 found[wanted[key]] = f.get_tensor(key)
     if "embed" not in found:
-        raise KeyError(f"target {root}: no model.embed_tokens.weight in its *.safetensors; expected a Llama-style checkpoint")
+        raise KeyError(
+            f"target {root}: no model.embed_tokens.weight in its *.safetensors; expected a Llama-style checkpoint"
+        )
     if "lm_head" not in found:
         if not config.get("tie_word_embeddings", False):
             raise KeyError(f"target {root}: no lm_head.weight and tie_word_embeddings is false in config.json")

@@ -85,10 +85,17 @@ def build_setup(job: TrainJob) -> TrainSetup:
     _check_shards(samples, job, hidden, fingerprint)
     d = job.draft
     arch = DraftArch(
-        hidden_size=hidden, num_aux=len(job.aux_layer_ids), target_vocab_size=vocab,
-        draft_vocab_size=d2t.numel(), num_attention_heads=d.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, intermediate_size=d.intermediate_size,
-        rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_position_embeddings=d.max_position_embeddings,
+        hidden_size=hidden,
+        num_aux=len(job.aux_layer_ids),
+        target_vocab_size=vocab,
+        draft_vocab_size=d2t.numel(),
+        num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads,
+        head_dim=d.head_dim,
+        intermediate_size=d.intermediate_size,
+        rms_norm_eps=d.rms_norm_eps,
+        rope_theta=d.rope_theta,
+        max_position_embeddings=d.max_position_embeddings,
     )
     draft = build_draft(arch, embed, d2t, t2d, seed=job.train.seed)
     head_rows = lm_head[torch.arange(d2t.numel()) + d2t].float()
@@ -204,8 +211,11 @@ def resume(job: TrainJob, setup: TrainSetup, optimizer, scheduler, ctx: Dist) ->
             f"checkpoint {checkpoint}: saved with train.global_batch_size={state['global_batch_size']}, the job "
             f"has {job.train.global_batch_size}; the data position would shift; restore it or use a new output_dir"
         )
-    log(ctx, f"resumed from {checkpoint} at step {state['step']} ({state['samples_consumed']} samples consumed, "
-        f"saved with world size {state['world_size']}, now {ctx.world})")
+    log(
+        ctx,
+        f"resumed from {checkpoint} at step {state['step']} ({state['samples_consumed']} samples consumed, "
+        f"saved with world size {state['world_size']}, now {ctx.world})",
+    )
     return {**state, "checkpoint": str(checkpoint)}
 
 
@@ -253,9 +263,16 @@ class Trainer:
         epoch, ids, batch = self.next_batch()
         stats = train_step(self.model, self.optimizer, self.scheduler, batch, t.max_grad_norm)
         self.step, self.consumed = self.step + 1, self.consumed + len(ids)
-        record = {"step": self.step, "epoch": epoch, "samples_consumed": self.consumed,
-                  **reduce_stats(stats, t.ttt_decay), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
-                  "elapsed_s": round(time.monotonic() - start, 3), "sample_ids": ids}
+        record = {
+            "step": self.step,
+            "epoch": epoch,
+            "samples_consumed": self.consumed,
+            **reduce_stats(stats, t.ttt_decay),
+            "lr": stats["lr"],
+            "grad_norm": stats["grad_norm"],
+            "elapsed_s": round(time.monotonic() - start, 3),
+            "sample_ids": ids,
+        }
         self.loss = record["loss"]
         if self.ctx.rank == 0:
             emit_metrics(record, self.output_dir)
@@ -270,18 +287,35 @@ class Trainer:
         """Rank 0 writes the checkpoint while the other ranks wait."""
         t = self.train_config
         if self.ctx.rank == 0:
-            trainer_state = {"samples_consumed": self.consumed, "epoch": epoch, "world_size": self.ctx.world,
-                             "global_batch_size": t.global_batch_size, "loss": self.loss}
-            self.checkpoint = str(save_checkpoint(
-                self.output_dir, self.step, draft=self.draft, optimizer=self.optimizer, scheduler=self.scheduler,
-                trainer_state=trainer_state, aux_layer_ids=self.job.aux_layer_ids,
-                target_fingerprint=self.setup.fingerprint, keep_last=t.keep_last_checkpoints))
+            trainer_state = {
+                "samples_consumed": self.consumed,
+                "epoch": epoch,
+                "world_size": self.ctx.world,
+                "global_batch_size": t.global_batch_size,
+                "loss": self.loss,
+            }
+            self.checkpoint = str(
+                save_checkpoint(
+                    self.output_dir,
+                    self.step,
+                    draft=self.draft,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    trainer_state=trainer_state,
+                    aux_layer_ids=self.job.aux_layer_ids,
+                    target_fingerprint=self.setup.fingerprint,
+                    keep_last=t.keep_last_checkpoints,
+                )
+            )
         dist.barrier()
 
     def run(self) -> dict:
         """Train to the last step, saving on schedule and at the end; returns the final.json contents."""
-        log(self.ctx, f"training steps {self.step + 1}..{self.last_step} on {len(self.setup.samples)} samples, "
-            f"world size {self.ctx.world}")
+        log(
+            self.ctx,
+            f"training steps {self.step + 1}..{self.last_step} on {len(self.setup.samples)} samples, "
+            f"world size {self.ctx.world}",
+        )
         start = time.monotonic()
         while self.step < self.last_step:
             record = self.train_one_step(start)

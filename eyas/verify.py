@@ -93,8 +93,12 @@ class VerifyReport:
     def summary(self) -> dict:
         good = [r for r in self.rows if r.status == "ok"]
         return {
-            "mode": self.mode, "shards": len(self.rows), "ok": len(good), "bad": len(self.rows) - len(good),
-            "tokens": sum(r.num_tokens for r in good), "bytes": sum(r.num_bytes for r in self.rows),
+            "mode": self.mode,
+            "shards": len(self.rows),
+            "ok": len(good),
+            "bad": len(self.rows) - len(good),
+            "tokens": sum(r.num_tokens for r in good),
+            "bytes": sum(r.num_bytes for r in self.rows),
             "problems": len(self.problems),
         }
 
@@ -109,8 +113,12 @@ def expected_shard_meta(
     num_layers, hidden = target_dims(target_path)
     ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
     return ExpectedShardMeta(
-        target_fingerprint=target_fingerprint(target_path), aux_layer_ids=tuple(ids), hidden_size=hidden,
-        num_aux=len(ids), dtype=dtype, dataset_hash=read_dataset_hash(Path(tokenized_path)),
+        target_fingerprint=target_fingerprint(target_path),
+        aux_layer_ids=tuple(ids),
+        hidden_size=hidden,
+        num_aux=len(ids),
+        dtype=dtype,
+        dataset_hash=read_dataset_hash(Path(tokenized_path)),
     )
 
 
@@ -131,8 +139,10 @@ class _Shard:
 
 def _check_listed(s: _Shard) -> None:
     if s.row is None:
-        raise _Bad("not in the manifest: an unfinished write (crash before its manifest row) or a foreign file; "
-                   "the next extraction run rewrites it, or quarantine it")
+        raise _Bad(
+            "not in the manifest: an unfinished write (crash before its manifest row) or a foreign file; "
+            "the next extraction run rewrites it, or quarantine it"
+        )
     if not s.path.is_file():
         raise _Bad(f"listed in the manifest but missing on disk; {_FIX}")
     size = s.path.stat().st_size
@@ -143,8 +153,10 @@ def _check_listed(s: _Shard) -> None:
 def _check_sha256(s: _Shard) -> None:
     digest = sha256_file(s.path)
     if digest != s.row.sha256:
-        raise _Bad(f"checksum mismatch: sha256 {digest[:16]}..., the manifest says {s.row.sha256[:16]}... "
-                   f"(bytes changed after writing: disk or copy corruption); {_FIX}")
+        raise _Bad(
+            f"checksum mismatch: sha256 {digest[:16]}..., the manifest says {s.row.sha256[:16]}... "
+            f"(bytes changed after writing: disk or copy corruption); {_FIX}"
+        )
 
 
 def _check_header(s: _Shard) -> None:
@@ -170,19 +182,28 @@ def _check_expected(s: _Shard) -> None:
             ("target_fingerprint", m.target_fingerprint, e.target_fingerprint),
             ("aux_layer_ids", list(m.aux_layer_ids), list(e.aux_layer_ids)),
             ("layer_id_convention", m.layer_id_convention, e.layer_id_convention),
-            ("hidden_size", m.hidden_size, e.hidden_size), ("num_aux", m.num_aux, e.num_aux),
-            ("dtype", m.dtype, e.dtype), ("dataset_hash", m.dataset_hash, e.dataset_hash),
+            ("hidden_size", m.hidden_size, e.hidden_size),
+            ("num_aux", m.num_aux, e.num_aux),
+            ("dtype", m.dtype, e.dtype),
+            ("dataset_hash", m.dataset_hash, e.dataset_hash),
         ]
         if found != want
     ]
     if diffs:
-        raise _Bad(f"metadata disagrees with the run config: {'; '.join(diffs)} "
-                   f"(extracted with another target, layer ids or dataset); {_FIX}")
+        raise _Bad(
+            f"metadata disagrees with the run config: {'; '.join(diffs)} "
+            f"(extracted with another target, layer ids or dataset); {_FIX}"
+        )
     r = s.row
-    if (m.shard_index, m.sample_start, m.sample_end) != (r.shard_index, r.sample_start, r.sample_end) \
-            or s.path.name != shard_filename(m.shard_index):
-        raise _Bad(f"metadata says shard {m.shard_index} samples {m.sample_start}..{m.sample_end}, the manifest "
-                   f"says shard {r.shard_index} ({r.file}) samples {r.sample_start}..{r.sample_end}; {_FIX}")
+    if (m.shard_index, m.sample_start, m.sample_end) != (
+        r.shard_index,
+        r.sample_start,
+        r.sample_end,
+    ) or s.path.name != shard_filename(m.shard_index):
+        raise _Bad(
+            f"metadata says shard {m.shard_index} samples {m.sample_start}..{m.sample_end}, the manifest "
+            f"says shard {r.shard_index} ({r.file}) samples {r.sample_start}..{r.sample_end}; {_FIX}"
+        )
 
 
 def _check_layout(s: _Shard) -> None:
@@ -193,10 +214,12 @@ def _check_layout(s: _Shard) -> None:
     m, t, n = s.meta, s.row.num_tokens, s.row.sample_end - s.row.sample_start
     hidden = _ST_DTYPES.get(m.dtype, m.dtype)
     want = {
-        "input_ids": ("I64", (t,)), "loss_mask": ("U8", (t,)),
+        "input_ids": ("I64", (t,)),
+        "loss_mask": ("U8", (t,)),
         "aux_hidden_states": (hidden, (t, m.num_aux * m.hidden_size)),
         "last_hidden_states": (hidden, (t, m.hidden_size)),
-        "sample_offsets": ("I64", (n + 1,)), "sample_indices": ("I64", (n,)),
+        "sample_offsets": ("I64", (n + 1,)),
+        "sample_indices": ("I64", (n,)),
     }
     for name, (dtype, shape) in want.items():
         found_dtype, found_shape = s.infos[name]
@@ -204,12 +227,16 @@ def _check_layout(s: _Shard) -> None:
             raise _Bad(f"{name} dtype {found_dtype}, expected {dtype} (metadata dtype {m.dtype}); {_FIX}")
         if name == "aux_hidden_states" and found_shape[1:] != shape[1:]:
             width = found_shape[1] if len(found_shape) == 2 else list(found_shape[1:])
-            raise _Bad(f"aux_hidden_states width {width}, expected {shape[1]} ({m.num_aux} layers x "
-                       f"{m.hidden_size}); the backend did not return the aux layers' states "
-                       f"(see eyas.extract.check_aux_width for causes); {_FIX}")
+            raise _Bad(
+                f"aux_hidden_states width {width}, expected {shape[1]} ({m.num_aux} layers x "
+                f"{m.hidden_size}); the backend did not return the aux layers' states "
+                f"(see eyas.extract.check_aux_width for causes); {_FIX}"
+            )
         if found_shape != shape:
-            raise _Bad(f"{name} shape {list(found_shape)}, expected {list(shape)} ({t} tokens, {n} samples, "
-                       f"H={m.hidden_size}); {_FIX}")
+            raise _Bad(
+                f"{name} shape {list(found_shape)}, expected {list(shape)} ({t} tokens, {n} samples, "
+                f"H={m.hidden_size}); {_FIX}"
+            )
 
 
 def _check_offsets(s: _Shard) -> None:
@@ -224,8 +251,10 @@ def _check_offsets(s: _Shard) -> None:
     lengths = offsets[1:] - offsets[:-1]
     if not torch.equal(lengths, want):
         i = int((lengths != want).nonzero()[0])
-        raise _Bad(f"sample {r.sample_start + i} has {int(lengths[i])} tokens, the tokenized dataset has "
-                   f"{int(want[i])}; {_FIX}")
+        raise _Bad(
+            f"sample {r.sample_start + i} has {int(lengths[i])} tokens, the tokenized dataset has "
+            f"{int(want[i])}; {_FIX}"
+        )
     s.offsets = offsets
 
 
@@ -240,8 +269,10 @@ def _check_finite(s: _Shard) -> None:
                 if bool(bad.any()):
                     token = a + int(bad.nonzero()[0])
                     sample = s.row.sample_start + int(torch.searchsorted(s.offsets, token, right=True)) - 1
-                    raise _Bad(f"{name} has non-finite values (first at token {token}, sample {sample}); the target "
-                               f"produced NaN/inf (float16 overflow? extract in bfloat16 or float32); {_FIX}")
+                    raise _Bad(
+                        f"{name} has non-finite values (first at token {token}, sample {sample}); the target "
+                        f"produced NaN/inf (float16 overflow? extract in bfloat16 or float32); {_FIX}"
+                    )
 
 
 def _check_dataset(s: _Shard) -> None:
@@ -253,15 +284,27 @@ def _check_dataset(s: _Shard) -> None:
             if not torch.equal(found, want.to(found.dtype)):
                 token = int((found != want.to(found.dtype)).nonzero()[0])
                 sample = r.sample_start + int(torch.searchsorted(s.offsets, token, right=True)) - 1
-                raise _Bad(f"{name} differs from the tokenized dataset at token {token} (sample {sample}): shard "
-                           f"has {int(found[token])}, dataset has {int(want[token])}; the shard was extracted from "
-                           f"another dataset; {_FIX}")
+                raise _Bad(
+                    f"{name} differs from the tokenized dataset at token {token} (sample {sample}): shard "
+                    f"has {int(found[token])}, dataset has {int(want[token])}; the shard was extracted from "
+                    f"another dataset; {_FIX}"
+                )
 
 
-_CHEAP = [("listed", _check_listed), ("header", _check_header), ("metadata", _check_expected),
-          ("layout", _check_layout), ("offsets", _check_offsets)]
-_FULL = [("listed", _check_listed), ("sha256", _check_sha256), *_CHEAP[1:], ("finite", _check_finite),
-         ("dataset", _check_dataset)]
+_CHEAP = [
+    ("listed", _check_listed),
+    ("header", _check_header),
+    ("metadata", _check_expected),
+    ("layout", _check_layout),
+    ("offsets", _check_offsets),
+]
+_FULL = [
+    ("listed", _check_listed),
+    ("sha256", _check_sha256),
+    *_CHEAP[1:],
+    ("finite", _check_finite),
+    ("dataset", _check_dataset),
+]
 
 
 def _check_mode(mode: str) -> None:
@@ -270,7 +313,11 @@ def _check_mode(mode: str) -> None:
 
 
 def verify_shard(
-    path: Path, *, row: ManifestRow | None, expected: ExpectedShardMeta, dataset: TokenizedDataset,
+    path: Path,
+    *,
+    row: ManifestRow | None,
+    expected: ExpectedShardMeta,
+    dataset: TokenizedDataset,
     mode: Literal["cheap", "full"],
 ) -> ShardReportRow:
     """Run the mode's checks on one shard file, stopping at the first failure."""
@@ -279,16 +326,20 @@ def verify_shard(
     s = _Shard(path=path, row=row, expected=expected, dataset=dataset)
     passed, reason = [], ""
     try:
-        for name, check in (_FULL if mode == "full" else _CHEAP):
+        for name, check in _FULL if mode == "full" else _CHEAP:
             check(s)
             passed.append(name)
     except _Bad as e:
         reason = f"{path.name}: {e}"
     match = SHARD_NAME_RE.match(path.name)
     return ShardReportRow(
-        shard=row.shard_index if row else int(match.group(1)) if match else -1, file=path.name,
-        status="bad" if reason else "ok", checks_passed=passed, reason=reason,
-        num_tokens=row.num_tokens if row else 0, num_bytes=path.stat().st_size if path.is_file() else 0,
+        shard=row.shard_index if row else int(match.group(1)) if match else -1,
+        file=path.name,
+        status="bad" if reason else "ok",
+        checks_passed=passed,
+        reason=reason,
+        num_tokens=row.num_tokens if row else 0,
+        num_bytes=path.stat().st_size if path.is_file() else 0,
         seconds=time.perf_counter() - t0,
     )
 
@@ -297,20 +348,29 @@ def _coverage_problems(rows: list[ManifestRow], num_samples: int, shards_dir: Pa
     problems, pos = [], 0
     for r in rows:
         if r.sample_start > pos:
-            problems.append(f"{shards_dir}: samples {pos}..{r.sample_start - 1} are in no shard of the manifest; "
-                            f"re-run extraction to fill them")
+            problems.append(
+                f"{shards_dir}: samples {pos}..{r.sample_start - 1} are in no shard of the manifest; "
+                f"re-run extraction to fill them"
+            )
         elif r.sample_start < pos:
-            problems.append(f"{shards_dir}: {r.file} starts at sample {r.sample_start}, overlapping the previous "
-                            f"shard (which ends at {pos - 1}); move the directory aside and extract again")
+            problems.append(
+                f"{shards_dir}: {r.file} starts at sample {r.sample_start}, overlapping the previous "
+                f"shard (which ends at {pos - 1}); move the directory aside and extract again"
+            )
         pos = max(pos, r.sample_end)
     if pos < num_samples:
-        problems.append(f"{shards_dir}: samples {pos}..{num_samples - 1} (of {num_samples}) are in no shard of the "
-                        f"manifest; re-run extraction to fill them")
+        problems.append(
+            f"{shards_dir}: samples {pos}..{num_samples - 1} (of {num_samples}) are in no shard of the "
+            f"manifest; re-run extraction to fill them"
+        )
     return problems
 
 
 def verify_shards(
-    *, shards_dir: str | Path, tokenized_path: str | Path, expected: ExpectedShardMeta,
+    *,
+    shards_dir: str | Path,
+    tokenized_path: str | Path,
+    expected: ExpectedShardMeta,
     mode: Literal["cheap", "full"] = "full",
 ) -> VerifyReport:
     """Verify every manifest row and every shard file in `shards_dir`; never raises for bad shards."""
@@ -322,19 +382,30 @@ def verify_shards(
     manifest = read_manifest(shards_dir)
     by_file = {r.file: r for r in manifest}
     files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
-    rows = [verify_shard(shards_dir / f, row=by_file.get(f), expected=expected, dataset=dataset, mode=mode)
-            for f in files]
+    rows = [
+        verify_shard(shards_dir / f, row=by_file.get(f), expected=expected, dataset=dataset, mode=mode) for f in files
+    ]
     problems = _coverage_problems(manifest, len(dataset), shards_dir)
     if dataset.dataset_hash != expected.dataset_hash:
-        problems.append(f"tokenized dataset {tokenized_path}: content hash {dataset.dataset_hash!r}, expected "
-                        f"{expected.dataset_hash!r}; verify against the dataset the run extracted from")
+        problems.append(
+            f"tokenized dataset {tokenized_path}: content hash {dataset.dataset_hash!r}, expected "
+            f"{expected.dataset_hash!r}; verify against the dataset the run extracted from"
+        )
     return VerifyReport(mode=mode, rows=rows, problems=problems)
 
 
-REPORT_SCHEMA = pa.schema([
-    ("shard", pa.int64()), ("file", pa.string()), ("status", pa.string()), ("checks_passed", pa.list_(pa.string())),
-    ("reason", pa.string()), ("num_tokens", pa.int64()), ("num_bytes", pa.int64()), ("seconds", pa.float64()),
-])
+REPORT_SCHEMA = pa.schema(
+    [
+        ("shard", pa.int64()),
+        ("file", pa.string()),
+        ("status", pa.string()),
+        ("checks_passed", pa.list_(pa.string())),
+        ("reason", pa.string()),
+        ("num_tokens", pa.int64()),
+        ("num_bytes", pa.int64()),
+        ("seconds", pa.float64()),
+    ]
+)
 
 
 def write_verify_report(report: VerifyReport, path: str | Path) -> Path:
@@ -357,5 +428,6 @@ def raise_if_bad(report: VerifyReport) -> None:
     lines = [r.reason for r in bad] + report.problems
     raise ShardVerificationError(
         f"shard verification ({report.mode}) failed: {len(bad)} of {len(report.rows)} shards bad, "
-        f"{len(report.problems)} directory problems:\n  " + "\n  ".join(lines), report
+        f"{len(report.problems)} directory problems:\n  " + "\n  ".join(lines),
+        report,
     )

@@ -89,13 +89,18 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return d2t, t2d, meta
 
 
-def ensure_vocab(path: str | Path, input_ids, loss_masks, content_hash: str, target_vocab_size: int, draft_vocab_size: int) -> bool:
+def ensure_vocab(
+    path: str | Path, input_ids, loss_masks, content_hash: str, target_vocab_size: int, draft_vocab_size: int
+) -> bool:
     """Build and save the mapping unless one for the same data and sizes exists. Returns True if built."""
     path = Path(path)
     if path.exists():
         _, _, meta = load_vocab(path)
-        if meta == {"content_hash": content_hash, "draft_vocab_size": str(draft_vocab_size),
-                    "target_vocab_size": str(target_vocab_size)}:
+        if meta == {
+            "content_hash": content_hash,
+            "draft_vocab_size": str(draft_vocab_size),
+            "target_vocab_size": str(target_vocab_size),
+        }:
             return False
     counts = count_loss_tokens(input_ids, loss_masks, target_vocab_size)
     d2t, t2d = build_vocab_mapping(counts, draft_vocab_size)

@@ -19,7 +19,9 @@ def approve_run(run_id: str | UUID, *, approve: bool, reviewer: str, note: str =
         run = client.read_flow_run(UUID(str(run_id)))
     if run.state is None or not run.state.is_paused():
         state = run.state.name if run.state else "no state"
-        raise RuntimeError(f"flow run {run_id} ({run.name}) is {state}, not Paused at the approval gate; nothing to answer")
+        raise RuntimeError(
+            f"flow run {run_id} ({run.name}) is {state}, not Paused at the approval gate; nothing to answer"
+        )
     resume_flow_run(run.id, run_input={"approve": approve, "reviewer": reviewer, "note": note})
 
 
@@ -50,7 +52,9 @@ class GateWatcher(threading.Thread):
             time.sleep(1.0)
 
     def _top_run(self):
-        flt = FlowRunFilter(tags=FlowRunFilterTags(all_=[self.tag]), parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True))
+        flt = FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[self.tag]), parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True)
+        )
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_run_filter=flt, limit=1)
         return runs[0] if runs else None
@@ -59,15 +63,27 @@ class GateWatcher(threading.Thread):
         url = f"{self.ui_url}/runs/flow-run/{run.id}"
         if self.answer in ("yes", "no"):
             approve = self.answer == "yes"
-            approve_run(run.id, approve=approve, reviewer=f"{getpass.getuser()} (APPROVE={self.answer})", note="answered by flag")
-            print(f"approval gate answered: {'approved' if approve else 'rejected'} (APPROVE={self.answer})", flush=True)
+            approve_run(
+                run.id,
+                approve=approve,
+                reviewer=f"{getpass.getuser()} (APPROVE={self.answer})",
+                note="answered by flag",
+            )
+            print(
+                f"approval gate answered: {'approved' if approve else 'rejected'} (APPROVE={self.answer})", flush=True
+            )
             return
-        print(f"The run is waiting for approval: see the summary at {url} (Resume), "
-              f"or run `eyas approve {run.id}` [--reject].", flush=True)
+        print(
+            f"The run is waiting for approval: see the summary at {url} (Resume), "
+            f"or run `eyas approve {run.id}` [--reject].",
+            flush=True,
+        )
         if not sys.stdin.isatty():
             return
         reply = input("Approve training now? [y/N] ").strip().lower()
         try:
-            approve_run(run.id, approve=reply in ("y", "yes"), reviewer=getpass.getuser(), note="answered in the terminal")
+            approve_run(
+                run.id, approve=reply in ("y", "yes"), reviewer=getpass.getuser(), note="answered in the terminal"
+            )
         except RuntimeError as err:  # answered meanwhile in the UI or by `eyas approve`
             print(f"not answered from the terminal: {err}", flush=True)

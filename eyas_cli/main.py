@@ -31,8 +31,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run = sub.add_parser("run", help="run the whole pipeline for a preset")
     run.add_argument("config")
     for p in (demo, run):
-        p.add_argument("--approve", choices=["yes", "no"], default=os.environ.get("APPROVE") or None,
-                       help="answer the approval gate without asking (default: ask; env APPROVE)")
+        p.add_argument(
+            "--approve",
+            choices=["yes", "no"],
+            default=os.environ.get("APPROVE") or None,
+            help="answer the approval gate without asking (default: ask; env APPROVE)",
+        )
     for stage in STAGES:
         sub.add_parser(stage, help=f"run the {stage} stage's flow").add_argument("config")
     approve = sub.add_parser("approve", help="answer a run waiting at the approval gate")
@@ -86,12 +90,21 @@ def run_stage(stage: str, config) -> int:
     from flows import bench, dataset, export, extract, train, verify
 
     flow_fn = {
-        "dataset": dataset.build_dataset_flow, "extract": extract.extract_flow, "verify": verify.verify_flow,
-        "train": train.train_flow, "export": export.export_flow, "bench": bench.bench_flow,
+        "dataset": dataset.build_dataset_flow,
+        "extract": extract.extract_flow,
+        "verify": verify.verify_flow,
+        "train": train.train_flow,
+        "export": export.export_flow,
+        "bench": bench.bench_flow,
     }[stage]
     state = flow_fn(config, return_state=True)
-    print(json.dumps(state.result() if state.is_completed() else {"state": state.name, "message": state.message},
-                     indent=2, default=str))
+    print(
+        json.dumps(
+            state.result() if state.is_completed() else {"state": state.name, "message": state.message},
+            indent=2,
+            default=str,
+        )
+    )
     return 0 if state.is_completed() else 1
 
 

@@ -30,7 +30,11 @@ def start_server(api_url: str, state_dir: Path, wait_s: float = 120.0) -> subpro
     log = open(state_dir / "server.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", port],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:

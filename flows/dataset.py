@@ -12,6 +12,8 @@ from tasks.dataset import build_vocab_mapping, regenerate_and_tokenize
 def build_dataset_flow(config: RunConfig) -> dict:
     report = regenerate_and_tokenize(config)
     vocab = build_vocab_mapping(config)
-    print(f"dataset: {report['num_samples']} samples, {report['num_loss_tokens']} loss tokens, "
-          f"hash {report['content_hash']}; draft vocab {vocab['draft_vocab_size']}/{vocab['target_vocab_size']}")
+    print(
+        f"dataset: {report['num_samples']} samples, {report['num_loss_tokens']} loss tokens, "
+        f"hash {report['content_hash']}; draft vocab {vocab['draft_vocab_size']}/{vocab['target_vocab_size']}"
+    )
     return {"dataset": report, "vocab": vocab}

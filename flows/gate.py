@@ -48,8 +48,11 @@ def approval_gate(config: RunConfig, summary_md: str) -> TrainingApproval:
         timeout=config.approval.timeout_s,
         poll_interval=2,
     )
-    record = {**answer.model_dump(include={"approve", "reviewer", "note"}), "config_fingerprint": fingerprint,
-              "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    record = {
+        **answer.model_dump(include={"approve", "reviewer", "note"}),
+        "config_fingerprint": fingerprint,
+        "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     create_markdown_artifact(
         key="approval-decision",
         markdown=f"## Training {'approved' if answer.approve else 'REJECTED'}\n\n"
@@ -58,7 +61,9 @@ def approval_gate(config: RunConfig, summary_md: str) -> TrainingApproval:
         description="approval gate decision",
     )
     if not answer.approve:
-        raise TrainingRejected(f"training rejected by {answer.reviewer}: {answer.note or 'no note'}; nothing was trained")
+        raise TrainingRejected(
+            f"training rejected by {answer.reviewer}: {answer.note or 'no note'}; nothing was trained"
+        )
     config.paths.root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_path, json.dumps(record, indent=2))
     return answer

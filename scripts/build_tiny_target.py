@@ -138,9 +138,7 @@ def make_prompts(texts: list[str], count: int, seed: int, prefix: str) -> list[d
         if content in seen:
             continue
         seen.add(content)
-        prompts.append(
-            {"id": f"{prefix}-{len(prompts):05d}", "conversations": [{"role": "user", "content": content}]}
-        )
+        prompts.append({"id": f"{prefix}-{len(prompts):05d}", "conversations": [{"role": "user", "content": content}]})
         if len(prompts) == count:
             break
     return prompts

@@ -10,8 +10,16 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = [
-    ("pipeline", "flows/pipeline.py:pipeline", "dataset -> extract -> verify -> smoke -> gate -> train -> export -> benchmark"),
-    ("build-dataset", "flows/dataset.py:build_dataset_flow", "prompts -> target responses -> tokenized table -> vocab mapping"),
+    (
+        "pipeline",
+        "flows/pipeline.py:pipeline",
+        "dataset -> extract -> verify -> smoke -> gate -> train -> export -> benchmark",
+    ),
+    (
+        "build-dataset",
+        "flows/dataset.py:build_dataset_flow",
+        "prompts -> target responses -> tokenized table -> vocab mapping",
+    ),
     ("extract-hidden-states", "flows/extract.py:extract_flow", "target hidden states into shards + manifest"),
     ("verify-shards", "flows/verify.py:verify_flow", "verify every shard against manifest, dataset and config"),
     ("train-drafter", "flows/train.py:train_flow", "smoke run, approval gate, torchrun trainer"),
@@ -32,9 +40,14 @@ def main() -> None:
         "prefect-version": "3.9.1",
         "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $EYAS_REPO }}"}}],
         "deployments": [
-            {"name": f"{name}-tiny-cpu", "entrypoint": entrypoint, "description": description,
-             "work_pool": {"name": "eyas-local", "work_queue_name": "default"},
-             "parameters": {"config": preset}, "tags": ["eyas", "tiny-cpu"]}
+            {
+                "name": f"{name}-tiny-cpu",
+                "entrypoint": entrypoint,
+                "description": description,
+                "work_pool": {"name": "eyas-local", "work_queue_name": "default"},
+                "parameters": {"config": preset},
+                "tags": ["eyas", "tiny-cpu"],
+            }
             for name, entrypoint, description in STAGES
         ],
     }

@@ -15,8 +15,13 @@ from tasks.reporting import StageProgress, table_artifact
 def regenerate_and_tokenize(config: RunConfig) -> dict:
     """Regenerate responses with the target and write the tokenized table (reused when unchanged)."""
     with StageProgress("dataset-progress", "regenerating responses", "samples_done", "samples_total") as progress:
-        report = build_dataset(config.dataset, config.target.model_path, config.paths.dataset_dir,
-                               target_dtype=config.target.dtype, progress=progress)
+        report = build_dataset(
+            config.dataset,
+            config.target.model_path,
+            config.paths.dataset_dir,
+            target_dtype=config.target.dtype,
+            progress=progress,
+        )
     table_artifact("dataset-report", [report.to_dict()], "tokenized dataset")
     return report.to_dict()
 
@@ -28,4 +33,9 @@ def build_vocab_mapping(config: RunConfig) -> dict:
     embed, _ = load_embed_and_lm_head(config.target.model_path)
     built = ensure_vocab(config.paths.vocab, ids, masks, content_hash, embed.shape[0], config.dataset.draft_vocab_size)
     d2t, t2d, _ = load_vocab(config.paths.vocab)
-    return {"built": built, "draft_vocab_size": d2t.numel(), "target_vocab_size": t2d.numel(), "content_hash": content_hash}
+    return {
+        "built": built,
+        "draft_vocab_size": d2t.numel(),
+        "target_vocab_size": t2d.numel(),
+        "content_hash": content_hash,
+    }

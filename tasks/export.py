@@ -33,8 +33,13 @@ def reference_benchmark(config: RunConfig, export_dir: str) -> dict:
     """Speculative decoding with the exported draft on held-out prompts; lossless vs greedy or it fails."""
     rows = read_prompts(config.bench.prompts_path, config.bench.num_prompts)
     prompts = [r["conversations"] for r in rows]
-    result = run_benchmark(config.target.model_path, export_dir, prompts, steps=config.bench.steps,
-                           max_new_tokens=config.bench.max_new_tokens)
+    result = run_benchmark(
+        config.target.model_path,
+        export_dir,
+        prompts,
+        steps=config.bench.steps,
+        max_new_tokens=config.bench.max_new_tokens,
+    )
     path = write_benchmark_json(result, config.paths.bench_dir / "benchmark.json")
     report_benchmark(result, path)
     return {**result, "path": str(path)}
@@ -42,9 +47,15 @@ def reference_benchmark(config: RunConfig, export_dir: str) -> dict:
 
 def report_benchmark(result: dict, path: Path) -> None:
     rows = [{"metric": k, "value": result[k]} for k in ("tau_mean", "tau_random", "steps", "num_prompts", "lossless")]
-    per_pos = [{"position": i + 1, "accept_rate": round(r, 3)} for i, r in enumerate(result["accept_rate_per_position"])]
-    markdown_artifact("benchmark", f"# Acceptance (reference engine)\n\n{markdown_table(rows)}\n\n"
-                      f"## Per position\n\n{markdown_table(per_pos)}\n\n`{path}`", "acceptance benchmark")
+    per_pos = [
+        {"position": i + 1, "accept_rate": round(r, 3)} for i, r in enumerate(result["accept_rate_per_position"])
+    ]
+    markdown_artifact(
+        "benchmark",
+        f"# Acceptance (reference engine)\n\n{markdown_table(rows)}\n\n"
+        f"## Per position\n\n{markdown_table(per_pos)}\n\n`{path}`",
+        "acceptance benchmark",
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -27,8 +27,13 @@ class StageProgress:
         self.done_key, self.total_key, self.title = done_key, total_key, title
         self.min_interval_s = min_interval_s
         self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=title)
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeRemainingColumn(), transient=False)
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
         self.bar_task = None
         self.last_sent = 0.0
 

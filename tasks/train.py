@@ -26,8 +26,14 @@ def smoke_run(config: RunConfig) -> dict:
             f"{config.smoke.num_samples} samples, expected a drop of at least {config.smoke.min_loss_drop:.0%}; "
             f"the features or the objective are wrong: check the shard widths and the vocab mapping"
         )
-    return {"first_loss": round(result.first, 4), "last_loss": round(result.last, 4), "steps": len(result.losses),
-            "seconds": round(result.seconds, 1), "passed": result.passed, "modules": result.modules}
+    return {
+        "first_loss": round(result.first, 4),
+        "last_loss": round(result.last, 4),
+        "steps": len(result.losses),
+        "seconds": round(result.seconds, 1),
+        "passed": result.passed,
+        "modules": result.modules,
+    }
 
 
 @task(name="gate-summary")
@@ -37,16 +43,20 @@ def gate_summary(config: RunConfig, dataset: dict, verified: dict, smoke: dict) 
     num_samples = dataset["dataset"]["num_samples"]
     lines = [
         f"# Approve training of `{config.name}`",
-        "## Dataset", markdown_table([dataset["dataset"]]),
-        "## Shard verification", markdown_table([verified]),
-        "## Draft modules", markdown_table(smoke["modules"]),
+        "## Dataset",
+        markdown_table([dataset["dataset"]]),
+        "## Shard verification",
+        markdown_table([verified]),
+        "## Draft modules",
+        markdown_table(smoke["modules"]),
         "## Smoke run",
         f"loss {smoke['first_loss']} -> {smoke['last_loss']} in {smoke['steps']} steps ({smoke['seconds']} s): "
         f"{'passed' if smoke['passed'] else 'FAILED'}",
         "## Estimate",
         f"{planned_steps(num_samples, config)} optimizer steps on {config.train.num_processes} processes; "
         f"estimated GPU-hours: {gpu_hours_estimate(num_samples, config):.2f}",
-        "## Command", f"```\n{format_command(torchrun_command(config, job_path))}\n```",
+        "## Command",
+        f"```\n{format_command(torchrun_command(config, job_path))}\n```",
     ]
     return "\n\n".join(lines)
 
@@ -60,13 +70,15 @@ def launch_torchrun(config: RunConfig, num_samples: int) -> dict:
     print(f"launching: {format_command(cmd)}")
     total_samples = planned_steps(num_samples, config) * config.train.global_batch_size
     metrics, log_path = [], train_dir / "torchrun.log"
-    with StageProgress("train-progress", "training", "samples_consumed", "total") as progress, \
-            open(log_path, "a") as log, \
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with (
+        StageProgress("train-progress", "training", "samples_consumed", "total") as progress,
+        open(log_path, "a") as log,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
+    ):
         for line in proc.stdout:
             log.write(line)
             if line.startswith(METRIC_PREFIX):
-                m = json.loads(line[len(METRIC_PREFIX):])
+                m = json.loads(line[len(METRIC_PREFIX) :])
                 metrics.append(m)
                 progress({"samples_consumed": m["samples_consumed"], "total": total_samples})
     if proc.returncode != 0:
@@ -93,4 +105,3 @@ def plot_loss(metrics: list[dict]) -> None:
     ax.legend(fontsize=7, ncol=2)
     png_artifact("loss-curve", fig, "training loss per TTT step")
     plt.close(fig)
-

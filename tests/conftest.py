@@ -43,9 +43,16 @@ def random_target_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("random-target")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -79,8 +86,12 @@ def prefect_server(tmp_path_factory):
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     deadline = time.monotonic() + 120
     while True:
         try:

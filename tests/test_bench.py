@@ -27,8 +27,14 @@ from eyas.export import export_sglang
 from eyas.target import embed_weight, target_fingerprint
 
 ARCH = DraftArch(
-    hidden_size=64, num_aux=3, target_vocab_size=2048, draft_vocab_size=512,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    hidden_size=64,
+    num_aux=3,
+    target_vocab_size=2048,
+    draft_vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
 )
 AUX_IDS = [2, 4, 5]
 PROMPTS = [[(37 * i + 11 * j) % 2047 + 1 for j in range(6 + 3 * i)] for i in range(3)]
@@ -158,7 +164,9 @@ def test_encode_prompts_takes_ids_text_and_conversations(random_target_dir):
     tokenizer = AutoTokenizer.from_pretrained(random_target_dir)
     conversation = [{"role": "user", "content": "import os\n"}]
     assert encode_prompts([[3, 4], "def f():", conversation], random_target_dir) == [
-        [3, 4], tokenizer("def f():")["input_ids"], prompt_token_ids(tokenizer, conversation),
+        [3, 4],
+        tokenizer("def f():")["input_ids"],
+        prompt_token_ids(tokenizer, conversation),
     ]
     with pytest.raises(ValueError, match=r"prompt 1: empty after encoding; expected at least one token"):
         encode_prompts([[3], []], random_target_dir)
@@ -171,8 +179,12 @@ def write_export(root: Path, target_dir: Path, fingerprint: str) -> Path:
     ckpt = root / "step-00000001"
     ckpt.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(ckpt / "model.safetensors"))
-    meta = {"arch": ARCH.to_dict(), "aux_layer_ids": AUX_IDS, "layer_id_convention": "hf_hidden_states",
-            "target_fingerprint": fingerprint}
+    meta = {
+        "arch": ARCH.to_dict(),
+        "aux_layer_ids": AUX_IDS,
+        "layer_id_convention": "hf_hidden_states",
+        "target_fingerprint": fingerprint,
+    }
     (ckpt / "arch.json").write_text(json.dumps(meta))
     (ckpt / "COMPLETE").write_text("")
     return export_sglang(ckpt, root / "export")
@@ -182,11 +194,23 @@ def test_run_benchmark_reports_the_schema_and_writes_json(random_target_dir, tmp
     export = write_export(tmp_path, random_target_dir, target_fingerprint(random_target_dir))
     prompts = [PROMPTS[0], "def main():", [{"role": "user", "content": "import os\n"}]]
     result = run_benchmark(random_target_dir, export, prompts, steps=3, max_new_tokens=10)
-    assert sorted(result) == sorted([
-        "engine", "tau_mean", "tau_per_prompt", "accept_rate_per_position", "num_verify_steps", "tau_random",
-        "accept_rate_per_position_random", "steps", "num_prompts", "max_new_tokens", "aux_layer_ids",
-        "lossless", "wall_s",
-    ])
+    assert sorted(result) == sorted(
+        [
+            "engine",
+            "tau_mean",
+            "tau_per_prompt",
+            "accept_rate_per_position",
+            "num_verify_steps",
+            "tau_random",
+            "accept_rate_per_position_random",
+            "steps",
+            "num_prompts",
+            "max_new_tokens",
+            "aux_layer_ids",
+            "lossless",
+            "wall_s",
+        ]
+    )
     assert result["lossless"] is True and result["num_prompts"] == 3 and result["aux_layer_ids"] == AUX_IDS
     assert len(result["tau_per_prompt"]) == 3 and len(result["accept_rate_per_position"]) == 3
     assert 1.0 <= result["tau_mean"] <= 4.0 and 1.0 <= result["tau_random"] <= 4.0

@@ -19,8 +19,16 @@ from eyas.checkpoint import (
 )
 from eyas.draft import DraftArch, Eagle3Draft, build_draft
 
-ARCH = DraftArch(hidden_size=16, num_aux=3, target_vocab_size=40, draft_vocab_size=20, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=8, intermediate_size=32)
+ARCH = DraftArch(
+    hidden_size=16,
+    num_aux=3,
+    target_vocab_size=40,
+    draft_vocab_size=20,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    intermediate_size=32,
+)
 
 
 def make_training(seed: int = 0):
@@ -42,23 +50,44 @@ def take_step(draft, optimizer, scheduler) -> None:
 def save(output_dir: Path, step: int, training=None, keep_last: int = 5) -> Path:
     draft, optimizer, scheduler = training or make_training()
     state = {"samples_consumed": 8 * step, "epoch": 0, "world_size": 2, "global_batch_size": 8, "loss": 1.5}
-    return save_checkpoint(output_dir, step, draft=draft, optimizer=optimizer, scheduler=scheduler,
-                           trainer_state=state, aux_layer_ids=[2, 5, 8], target_fingerprint="abc123",
-                           keep_last=keep_last)
+    return save_checkpoint(
+        output_dir,
+        step,
+        draft=draft,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state=state,
+        aux_layer_ids=[2, 5, 8],
+        target_fingerprint="abc123",
+        keep_last=keep_last,
+    )
 
 
 def test_save_writes_a_complete_step_dir(tmp_path):
     path = save(tmp_path, 12)
     assert path == tmp_path / "checkpoints" / "step-00000012"
     assert sorted(p.name for p in path.iterdir()) == [
-        "COMPLETE", "arch.json", "model.safetensors", "optimizer.pt", "rng.pt", "scheduler.pt", "trainer_state.json",
+        "COMPLETE",
+        "arch.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "scheduler.pt",
+        "trainer_state.json",
     ]
     assert json.loads((path / "arch.json").read_text()) == {
-        "arch": ARCH.to_dict(), "aux_layer_ids": [2, 5, 8], "layer_id_convention": "hf_hidden_states",
+        "arch": ARCH.to_dict(),
+        "aux_layer_ids": [2, 5, 8],
+        "layer_id_convention": "hf_hidden_states",
         "target_fingerprint": "abc123",
     }
     assert json.loads((path / "trainer_state.json").read_text()) == {
-        "step": 12, "samples_consumed": 96, "epoch": 0, "world_size": 2, "global_batch_size": 8, "loss": 1.5,
+        "step": 12,
+        "samples_consumed": 96,
+        "epoch": 0,
+        "world_size": 2,
+        "global_batch_size": 8,
+        "loss": 1.5,
     }
     assert set(load_file(path / "model.safetensors")) == set(Eagle3Draft(ARCH).state_dict())
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
@@ -114,8 +143,10 @@ def test_load_draft_refuses_a_missing_key_and_lists_it(tmp_path):
     state = load_file(path / "model.safetensors")
     del state["fc.weight"]
     save_file(state, path / "model.safetensors")
-    message = (f"checkpoint {path / 'model.safetensors'}: missing keys ['fc.weight'], unexpected keys []; "
-               "expected exactly the eyas draft state dict")
+    message = (
+        f"checkpoint {path / 'model.safetensors'}: missing keys ['fc.weight'], unexpected keys []; "
+        "expected exactly the eyas draft state dict"
+    )
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_draft(path)
 
@@ -126,10 +157,13 @@ def test_load_draft_lists_every_missing_and_unexpected_key_sorted(tmp_path):
     del state["norm.weight"], state["d2t"]
     state["layers.0.mlp.up_proj.weight"] = state.pop("midlayer.mlp.up_proj.weight")
     save_file(state, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=re.escape(
-        "missing keys ['d2t', 'midlayer.mlp.up_proj.weight', 'norm.weight'], "
-        "unexpected keys ['layers.0.mlp.up_proj.weight']"
-    )):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            "missing keys ['d2t', 'midlayer.mlp.up_proj.weight', 'norm.weight'], "
+            "unexpected keys ['layers.0.mlp.up_proj.weight']"
+        ),
+    ):
         load_draft(path)
 
 
@@ -138,7 +172,9 @@ def test_load_draft_refuses_a_wrong_shape(tmp_path):
     state = load_file(path / "model.safetensors")
     state["lm_head.weight"] = torch.zeros(21, 16)
     save_file(state, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=re.escape("wrong shapes ['lm_head.weight [21, 16] (expected [20, 16])']")):
+    with pytest.raises(
+        CheckpointError, match=re.escape("wrong shapes ['lm_head.weight [21, 16] (expected [20, 16])']")
+    ):
         load_draft(path)
 
 

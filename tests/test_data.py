@@ -35,8 +35,13 @@ def write_tiny_target(root: Path, gen: torch.Generator) -> tuple[torch.Tensor, t
     root.mkdir(parents=True)
     embed = torch.randn(VOCAB, HIDDEN, generator=gen)
     lm_head = torch.nn.functional.normalize(torch.randn(VOCAB, HIDDEN, generator=gen), dim=-1)
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
-              "num_hidden_layers": 4, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "tie_word_embeddings": False,
+    }
     (root / "config.json").write_text(json.dumps(config))
     save_file({"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}, root / "model.safetensors")
     return embed, lm_head
@@ -63,12 +68,14 @@ def make_samples(num_samples: int, lm_head: torch.Tensor, gen: torch.Generator) 
         tokens, following = ids[:-1], ids[1:]
         mask = torch.ones(length, dtype=torch.uint8)
         mask[:2] = 0
-        samples.append({
-            "input_ids": tokens,
-            "loss_mask": mask,
-            "aux_hidden_states": codes[tokens] + 0.05 * torch.randn(length, NUM_AUX * HIDDEN, generator=gen),
-            "last_hidden_states": 8.0 * lm_head[following],
-        })
+        samples.append(
+            {
+                "input_ids": tokens,
+                "loss_mask": mask,
+                "aux_hidden_states": codes[tokens] + 0.05 * torch.randn(length, NUM_AUX * HIDDEN, generator=gen),
+                "last_hidden_states": 8.0 * lm_head[following],
+            }
+        )
     return samples
 
 
@@ -83,13 +90,27 @@ def write_shards(shards_dir: Path, samples: list[dict], per_shard: int, fingerpr
         tensors["sample_offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         tensors["sample_indices"] = torch.arange(start, start + len(chunk), dtype=torch.int64)
         name = f"shard-{index:05d}.safetensors"
-        metadata = {"format_version": "1", "aux_layer_ids": json.dumps(AUX_LAYER_IDS),
-                    "layer_id_convention": "hf_hidden_states", "hidden_size": str(HIDDEN),
-                    "num_aux": str(NUM_AUX), "dtype": "float32", "target_fingerprint": fingerprint}
+        metadata = {
+            "format_version": "1",
+            "aux_layer_ids": json.dumps(AUX_LAYER_IDS),
+            "layer_id_convention": "hf_hidden_states",
+            "hidden_size": str(HIDDEN),
+            "num_aux": str(NUM_AUX),
+            "dtype": "float32",
+            "target_fingerprint": fingerprint,
+        }
         save_file(tensors, shards_dir / name, metadata=metadata)
-        rows.append({"shard_index": index, "file": name, "sample_start": start, "sample_end": start + len(chunk),
-                     "num_tokens": int(lengths.sum()), "num_bytes": (shards_dir / name).stat().st_size,
-                     "sha256": "0" * 64})
+        rows.append(
+            {
+                "shard_index": index,
+                "file": name,
+                "sample_start": start,
+                "sample_end": start + len(chunk),
+                "num_tokens": int(lengths.sum()),
+                "num_bytes": (shards_dir / name).stat().st_size,
+                "sha256": "0" * 64,
+            }
+        )
     pq.write_table(pa.Table.from_pylist(rows), shards_dir / "manifest.parquet")
 
 
@@ -100,19 +121,36 @@ def write_tiny_run(root: Path, *, num_samples: int = 32, per_shard: int = 10, se
     write_vocab(root / "vocab.safetensors")
     samples = make_samples(num_samples, lm_head, gen)
     write_shards(root / "shards", samples, per_shard, target_fingerprint(root / "target"))
-    return {"target": root / "target", "vocab": root / "vocab.safetensors", "shards": root / "shards",
-            "samples": samples}
+    return {
+        "target": root / "target",
+        "vocab": root / "vocab.safetensors",
+        "shards": root / "shards",
+        "samples": samples,
+    }
 
 
 def tiny_job(run: dict, output_dir: Path, **train) -> TrainJob:
     """A TrainJob over a tiny run: a small draft, 3 TTT steps, gloo."""
-    defaults = dict(num_processes=2, backend="gloo", global_batch_size=8, lr=1e-2, warmup_steps=1,
-                    ttt_steps=3, save_every_steps=2, keep_last_checkpoints=2, seed=0)
+    defaults = dict(
+        num_processes=2,
+        backend="gloo",
+        global_batch_size=8,
+        lr=1e-2,
+        warmup_steps=1,
+        ttt_steps=3,
+        save_every_steps=2,
+        keep_last_checkpoints=2,
+        seed=0,
+    )
     return TrainJob(
-        target_path=str(run["target"]), shards_dir=str(run["shards"]), vocab_path=str(run["vocab"]),
-        output_dir=str(output_dir), aux_layer_ids=AUX_LAYER_IDS,
-        draft=DraftConfig(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
-                          max_position_embeddings=64),
+        target_path=str(run["target"]),
+        shards_dir=str(run["shards"]),
+        vocab_path=str(run["vocab"]),
+        output_dir=str(output_dir),
+        aux_layer_ids=AUX_LAYER_IDS,
+        draft=DraftConfig(
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=64
+        ),
         train=TrainConfig(**{**defaults, **train}),
     )
 
@@ -148,8 +186,11 @@ def test_manifest_gap_is_refused(tmp_path, tiny_run):
     shards.mkdir()
     table = pq.read_table(tiny_run["shards"] / "manifest.parquet").to_pylist()
     pq.write_table(pa.Table.from_pylist([table[0], table[2]]), shards / "manifest.parquet")
-    with pytest.raises(ShardDataError, match=r"shard shard-00002.safetensors covers samples \[20, 25\), "
-                                             r"expected it to start at 10"):
+    with pytest.raises(
+        ShardDataError,
+        match=r"shard shard-00002.safetensors covers samples \[20, 25\), "
+        r"expected it to start at 10",
+    ):
         ShardSamples(shards)
 
 

@@ -62,7 +62,9 @@ def test_truncation_that_drops_most_of_a_sample_fails(tmp_path, random_target_di
 
 
 def test_table_schema_is_the_shard_contract(tmp_path, random_target_dir):
-    cfg = DatasetConfig(prompts_path=str(write_prompts(tmp_path / "p.jsonl", n=2)), max_new_tokens=2, draft_vocab_size=64)
+    cfg = DatasetConfig(
+        prompts_path=str(write_prompts(tmp_path / "p.jsonl", n=2)), max_new_tokens=2, draft_vocab_size=64
+    )
     build_dataset(cfg, random_target_dir, tmp_path / "out")
     schema = pq.read_schema(tmp_path / "out" / "tokenized.parquet")
     assert schema.names == ["sample_index", "id", "input_ids", "loss_mask", "num_tokens"]

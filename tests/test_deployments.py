@@ -49,7 +49,10 @@ def test_library_never_imports_prefect():
     offenders = []
     for path in sorted((REPO / "eyas").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("prefect", "flows", "tasks")]
     assert offenders == []

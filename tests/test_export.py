@@ -15,8 +15,14 @@ from eyas.formats import KeyCheckError, expected_sglang_shapes
 from eyas.vocab import VocabMappingError
 
 ARCH = DraftArch(
-    hidden_size=64, num_aux=3, target_vocab_size=2048, draft_vocab_size=512,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    hidden_size=64,
+    num_aux=3,
+    target_vocab_size=2048,
+    draft_vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
 )
 AUX_IDS = [2, 4, 5]
 
@@ -43,8 +49,12 @@ def write_checkpoint(path: Path, arch: DraftArch = ARCH, aux_ids=AUX_IDS, state_
         state_edit(state)
     path.mkdir(parents=True)
     save_file(state, str(path / "model.safetensors"))
-    meta = {"arch": arch.to_dict(), "aux_layer_ids": list(aux_ids),
-            "layer_id_convention": "hf_hidden_states", "target_fingerprint": "abc123"}
+    meta = {
+        "arch": arch.to_dict(),
+        "aux_layer_ids": list(aux_ids),
+        "layer_id_convention": "hf_hidden_states",
+        "target_fingerprint": "abc123",
+    }
     (path / "arch.json").write_text(json.dumps(meta))
     (path / "COMPLETE").write_text("")
     return path
@@ -61,11 +71,24 @@ def test_export_writes_the_exact_sglang_key_set_and_config(ckpt, tmp_path):
     assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_sglang_shapes(ARCH)
     config = json.loads((out / "config.json").read_text())
     assert config == {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-        "hidden_act": "silu", "attention_bias": False, "vocab_size": 2048, "draft_vocab_size": 512,
-        "tie_word_embeddings": False, "torch_dtype": "float32", "target_hidden_size": 64,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "vocab_size": 2048,
+        "draft_vocab_size": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "target_hidden_size": 64,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True},
     }
     assert read_export_provenance(out)["aux_layer_ids"] == AUX_IDS

@@ -27,13 +27,17 @@ CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=3)  # ~63 tokens of H=64 flo
 
 def write_tokenized(path, samples, *, dataset_hash="d5e7"):
     n = len(samples)
-    table = pa.table({
-        "sample_index": pa.array(range(n), pa.int64()),
-        "id": pa.array([f"s{i}" for i in range(n)]),
-        "input_ids": pa.array(samples, pa.list_(pa.int32())),
-        "loss_mask": pa.array([[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())),
-        "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
-    }).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
+    table = pa.table(
+        {
+            "sample_index": pa.array(range(n), pa.int64()),
+            "id": pa.array([f"s{i}" for i in range(n)]),
+            "input_ids": pa.array(samples, pa.list_(pa.int32())),
+            "loss_mask": pa.array(
+                [[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())
+            ),
+            "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
+        }
+    ).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
     pq.write_table(table, path)
     return path
 
@@ -117,8 +121,9 @@ def test_crash_mid_run_resumes_with_another_batch_size(tmp_path, tokenized, extr
     resumed = _extract(tokenized, shards, random_target_dir, cfg=CFG.model_copy(update={"batch_size": 1}))
     assert (resumed.shards_skipped, resumed.shards_written) == (1, resumed.shards_total - 1)
     uninterrupted = read_manifest(extracted[0])
-    assert [(r.sample_start, r.sample_end, r.num_tokens) for r in read_manifest(shards)] == \
-        [(r.sample_start, r.sample_end, r.num_tokens) for r in uninterrupted]
+    assert [(r.sample_start, r.sample_end, r.num_tokens) for r in read_manifest(shards)] == [
+        (r.sample_start, r.sample_end, r.num_tokens) for r in uninterrupted
+    ]
     for row in uninterrupted:
         a, b = load_shard(shards / row.file)[0], load_shard(extracted[0] / row.file)[0]
         torch.testing.assert_close(a["aux_hidden_states"], b["aux_hidden_states"], atol=1e-4, rtol=1e-4)
@@ -148,18 +153,29 @@ def test_shard_file_without_manifest_row_is_reextracted(finished, tokenized, ran
 
 
 def test_resume_with_other_config_is_refused(finished, tokenized, random_target_dir):
-    with pytest.raises(ExtractConfigMismatchError, match=r"extract.json: the shards there were extracted with "
-                       r"other parameters: dtype='float32' there, 'bfloat16' now.*use a new shards_dir"):
+    with pytest.raises(
+        ExtractConfigMismatchError,
+        match=r"extract.json: the shards there were extracted with "
+        r"other parameters: dtype='float32' there, 'bfloat16' now.*use a new shards_dir",
+    ):
         _extract(tokenized, finished, random_target_dir, cfg=CFG.model_copy(update={"dtype": "bfloat16"}))
     with pytest.raises(ExtractConfigMismatchError, match=r"aux_layer_ids=\[2, 4, 5\] there, \[1, 4, 6\] now"):
-        extract_hidden_states(tokenized_path=tokenized, shards_dir=finished, target_path=random_target_dir,
-                              aux_layer_ids=[1, 4, 6], extract_cfg=CFG)
+        extract_hidden_states(
+            tokenized_path=tokenized,
+            shards_dir=finished,
+            target_path=random_target_dir,
+            aux_layer_ids=[1, 4, 6],
+            extract_cfg=CFG,
+        )
 
 
 def test_manifest_row_without_file_is_refused(finished, tokenized, random_target_dir):
     (finished / shard_filename(0)).unlink()
-    with pytest.raises(FileNotFoundError, match=r"shard-00000.safetensors: listed in the manifest .* missing or of "
-                       r"another size on disk; run verification, which quarantines it"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"shard-00000.safetensors: listed in the manifest .* missing or of "
+        r"another size on disk; run verification, which quarantines it",
+    ):
         _extract(tokenized, finished, random_target_dir)
 
 
@@ -177,9 +193,15 @@ def test_progress_reports_each_shard(finished, tokenized, samples, random_target
     summary = _extract(tokenized, finished, random_target_dir, progress=seen.append)
     assert len(seen) == 3  # once at start, then after each of the two shards extracted
     assert (seen[0]["shards_done"], seen[0]["samples_done"]) == (len(rows) - 2, rows[-2].sample_start)
-    assert {k: seen[-1][k] for k in ("shards_done", "shards_total", "samples_done", "samples_total", "tokens_done")} \
-        == {"shards_done": summary.shards_total, "shards_total": summary.shards_total, "samples_done": len(samples),
-            "samples_total": len(samples), "tokens_done": sum(map(len, samples))}
+    assert {
+        k: seen[-1][k] for k in ("shards_done", "shards_total", "samples_done", "samples_total", "tokens_done")
+    } == {
+        "shards_done": summary.shards_total,
+        "shards_total": summary.shards_total,
+        "samples_done": len(samples),
+        "samples_total": len(samples),
+        "tokens_done": sum(map(len, samples)),
+    }
 
 
 def test_width_check_lists_known_causes():

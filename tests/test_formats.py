@@ -19,8 +19,14 @@ from eyas.formats import (
 )
 
 ARCH = DraftArch(
-    hidden_size=64, num_aux=3, target_vocab_size=2048, draft_vocab_size=512,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    hidden_size=64,
+    num_aux=3,
+    target_vocab_size=2048,
+    draft_vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
 )
 
 
@@ -114,7 +120,9 @@ def test_sglang_layer_ids_are_canonical_minus_one():
 
 def test_layer_id_conventions_are_pinned():
     assert {n: c.offset for n, c in LAYER_ID_CONVENTIONS.items()} == {
-        "hf_hidden_states": 0, "sglang_llama": -1, "specforge": -1,
+        "hf_hidden_states": 0,
+        "sglang_llama": -1,
+        "specforge": -1,
     }
 
 

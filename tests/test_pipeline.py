@@ -23,12 +23,14 @@ def e2e_config(tmp_path_factory, tiny_target_dir):
         update={
             "workdir": str(workdir),
             "target": config.target.model_copy(update={"model_path": str(tiny_target_dir)}),
-            "dataset": config.dataset.model_copy(
-                update={"prompts_path": str(tiny_target_dir / "prompts.jsonl")}
-            ),
+            "dataset": config.dataset.model_copy(update={"prompts_path": str(tiny_target_dir / "prompts.jsonl")}),
             "bench": config.bench.model_copy(
-                update={"prompts_path": str(tiny_target_dir / "heldout_prompts.jsonl"), "num_prompts": 16,
-                        "max_new_tokens": 48, "min_tau": 1.0}
+                update={
+                    "prompts_path": str(tiny_target_dir / "heldout_prompts.jsonl"),
+                    "num_prompts": 16,
+                    "max_new_tokens": 48,
+                    "min_tau": 1.0,
+                }
             ),
         }
     )
@@ -124,7 +126,9 @@ def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server, e2e_confi
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])))
     assert runs, "no pipeline run recorded on the server"
-    with pytest.raises(RuntimeError, match=r"is (Completed|Failed), not Paused at the approval gate; nothing to answer"):
+    with pytest.raises(
+        RuntimeError, match=r"is (Completed|Failed), not Paused at the approval gate; nothing to answer"
+    ):
         approve_run(runs[0].id, approve=True, reviewer="late")
 
 
@@ -136,8 +140,13 @@ def test_stage_verb_runs_its_flow_alone(prefect_server, e2e_config, tmp_path):
     config_path = tmp_path / "run.json"
     config_path.write_text(e2e_config.model_dump_json())
     env = {**os.environ, "PREFECT_API_URL": prefect_server}
-    proc = subprocess.run([sys.executable, "-m", "eyas_cli.main", "verify", str(config_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eyas_cli.main", "verify", str(config_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert summary["bad"] == 0 and summary["ok"] == summary["shards"] > 0

@@ -31,13 +31,15 @@ from eyas.shards import (
 
 def write_tokenized(path, samples, *, dataset_hash="d5e7", sample_index=None):
     n = len(samples)
-    table = pa.table({
-        "sample_index": pa.array(sample_index if sample_index is not None else range(n), pa.int64()),
-        "id": pa.array([f"s{i}" for i in range(n)]),
-        "input_ids": pa.array(samples, pa.list_(pa.int32())),
-        "loss_mask": pa.array([[i % 2 for i in range(len(s))] for s in samples], pa.list_(pa.uint8())),
-        "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
-    })
+    table = pa.table(
+        {
+            "sample_index": pa.array(sample_index if sample_index is not None else range(n), pa.int64()),
+            "id": pa.array([f"s{i}" for i in range(n)]),
+            "input_ids": pa.array(samples, pa.list_(pa.int32())),
+            "loss_mask": pa.array([[i % 2 for i in range(len(s))] for s in samples], pa.list_(pa.uint8())),
+            "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
+        }
+    )
     if dataset_hash is not None:
         table = table.replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
     pq.write_table(table, path)
@@ -46,8 +48,16 @@ def write_tokenized(path, samples, *, dataset_hash="d5e7", sample_index=None):
 
 def _meta(index=0, start=0, end=2):
     return ShardMeta(
-        target_fingerprint="f00d", aux_layer_ids=(2, 4, 5), layer_id_convention="hf_hidden_states", hidden_size=4,
-        num_aux=3, dtype="float32", backend="hf", dataset_hash="d5e7", shard_index=index, sample_start=start,
+        target_fingerprint="f00d",
+        aux_layer_ids=(2, 4, 5),
+        layer_id_convention="hf_hidden_states",
+        hidden_size=4,
+        num_aux=3,
+        dtype="float32",
+        backend="hf",
+        dataset_hash="d5e7",
+        shard_index=index,
+        sample_start=start,
         sample_end=end,
     )
 
@@ -55,8 +65,10 @@ def _meta(index=0, start=0, end=2):
 def _tensors(lengths=(3, 2), hidden=4, num_aux=3):
     t = sum(lengths)
     return {
-        "input_ids": torch.arange(t, dtype=torch.int64), "loss_mask": torch.ones(t, dtype=torch.uint8),
-        "aux_hidden_states": torch.randn(t, num_aux * hidden), "last_hidden_states": torch.randn(t, hidden),
+        "input_ids": torch.arange(t, dtype=torch.int64),
+        "loss_mask": torch.ones(t, dtype=torch.uint8),
+        "aux_hidden_states": torch.randn(t, num_aux * hidden),
+        "last_hidden_states": torch.randn(t, hidden),
         "sample_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
         "sample_indices": torch.arange(len(lengths), dtype=torch.int64),
     }

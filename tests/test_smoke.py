@@ -39,7 +39,9 @@ def test_smoke_train_overfits_and_saves_a_loadable_checkpoint(tiny_run, tmp_path
     assert result.first == pytest.approx(sum(result.losses[:5]) / 5)
     assert result.last == pytest.approx(sum(result.losses[-5:]) / 5)
     assert result.last < 0.7 * result.first
-    assert Path(result.checkpoint) == latest_complete(tmp_path / "smoke") == tmp_path / "smoke/checkpoints/step-00000030"
+    assert (
+        Path(result.checkpoint) == latest_complete(tmp_path / "smoke") == tmp_path / "smoke/checkpoints/step-00000030"
+    )
     draft, meta = load_draft(result.checkpoint)
     assert meta["aux_layer_ids"] == job.aux_layer_ids
     assert json.loads((tmp_path / "smoke" / "smoke.json").read_text())["passed"] is True
@@ -78,11 +80,19 @@ def test_module_table_marks_embeddings_frozen_and_the_rest_trainable(tiny_run, t
     assert module_table(draft) == result.modules
     rows = {row["module"]: row for row in module_table(draft)}
     assert list(rows) == list(MODULE_ROWS)
-    assert rows["embed_tokens"] == {"module": "embed_tokens", "num_params": 64 * 32,
-                                    "shapes": {"weight": [64, 32]}, "trainable": False}
+    assert rows["embed_tokens"] == {
+        "module": "embed_tokens",
+        "num_params": 64 * 32,
+        "shapes": {"weight": [64, 32]},
+        "trainable": False,
+    }
     assert rows["fc"]["shapes"] == {"weight": [32, 96]} and rows["lm_head"]["shapes"] == {"weight": [32, 32]}
     for name in MODULE_ROWS[1:]:
         assert rows[name]["trainable"], name
-    assert set(rows["midlayer.self_attn"]["shapes"]) == {"q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                         "o_proj.weight"}
+    assert set(rows["midlayer.self_attn"]["shapes"]) == {
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "o_proj.weight",
+    }
     assert sum(row["num_params"] for row in rows.values()) == sum(p.numel() for p in draft.parameters())

@@ -31,8 +31,26 @@ def test_build_script_is_deterministic(tmp_path):
     digests = []
     for name in ("a", "b"):
         out = tmp_path / name
-        subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_target.py"), "--out", str(out), "--steps", "2",
-                        "--num-train-prompts", "4", "--num-heldout-prompts", "2"], check=True, capture_output=True)
-        digests.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest()
-                        for f in ("model.safetensors", "tokenizer.json", "prompts.jsonl", "heldout_prompts.jsonl")})
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "build_tiny_target.py"),
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--num-train-prompts",
+                "4",
+                "--num-heldout-prompts",
+                "2",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        digests.append(
+            {
+                f: hashlib.sha256((out / f).read_bytes()).hexdigest()
+                for f in ("model.safetensors", "tokenizer.json", "prompts.jsonl", "heldout_prompts.jsonl")
+            }
+        )
     assert digests[0] == digests[1]

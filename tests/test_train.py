@@ -25,8 +25,19 @@ from test_data import AUX_LAYER_IDS, tiny_job, write_tiny_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES, BATCH, STEPS = 32, 8, 6
-METRIC_KEYS = {"step", "epoch", "samples_consumed", "loss", "loss_k", "acc_k", "lr", "grad_norm", "num_tokens",
-               "elapsed_s", "sample_ids"}
+METRIC_KEYS = {
+    "step",
+    "epoch",
+    "samples_consumed",
+    "loss",
+    "loss_k",
+    "acc_k",
+    "lr",
+    "grad_norm",
+    "num_tokens",
+    "elapsed_s",
+    "sample_ids",
+}
 
 
 def run_trainer(job_path: Path, nproc: int | None) -> tuple[str, list[dict]]:
@@ -36,8 +47,9 @@ def run_trainer(job_path: Path, nproc: int | None) -> tuple[str, list[dict]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    metrics = [json.loads(line[len(METRIC_PREFIX):]) for line in proc.stdout.splitlines()
-               if line.startswith(METRIC_PREFIX)]
+    metrics = [
+        json.loads(line[len(METRIC_PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(METRIC_PREFIX)
+    ]
     return proc.stdout, metrics
 
 
@@ -50,8 +62,15 @@ def tiny_run(tmp_path_factory) -> dict:
 def two_rank_run(tiny_run, tmp_path_factory) -> dict:
     """6 steps on 2 gloo ranks, checkpoints every 2 steps (3 kept)."""
     out = tmp_path_factory.mktemp("two-rank") / "out"
-    job = tiny_job(tiny_run, out, num_epochs=3, max_steps=STEPS, global_batch_size=BATCH,
-                   save_every_steps=2, keep_last_checkpoints=3)
+    job = tiny_job(
+        tiny_run,
+        out,
+        num_epochs=3,
+        max_steps=STEPS,
+        global_batch_size=BATCH,
+        save_every_steps=2,
+        keep_last_checkpoints=3,
+    )
     job_path = out.parent / "job.json"
     job_path.write_text(job.model_dump_json())
     stdout, metrics = run_trainer(job_path, nproc=2)
@@ -82,8 +101,11 @@ def test_training_writes_complete_checkpoints_and_final_json(two_rank_run, tiny_
     assert names == ["step-00000002", "step-00000004", "step-00000006"]
     assert all((out / "checkpoints" / name / "COMPLETE").is_file() for name in names)
     final = json.loads((out / "final.json").read_text())
-    assert final == {"checkpoint": str(out / "checkpoints" / "step-00000006"), "step": STEPS,
-                     "final_loss": two_rank_run["metrics"][-1]["loss"]}
+    assert final == {
+        "checkpoint": str(out / "checkpoints" / "step-00000006"),
+        "step": STEPS,
+        "final_loss": two_rank_run["metrics"][-1]["loss"],
+    }
     draft, meta = load_draft(final["checkpoint"])
     assert meta["aux_layer_ids"] == AUX_LAYER_IDS and meta["trainer_state"]["world_size"] == 2
     assert meta["trainer_state"]["samples_consumed"] == STEPS * BATCH
@@ -99,8 +121,11 @@ def test_rerun_resumes_on_one_process_with_the_same_sample_order(two_rank_run, t
     job_path = tmp_path / "job.json"
     job_path.write_text(two_rank_run["job"].model_copy(update={"output_dir": str(out)}).model_dump_json())
     stdout, metrics = run_trainer(job_path, nproc=None)
-    assert re.search(r"resumed from \S+step-00000004 at step 4 \(32 samples consumed, saved with world size 2, "
-                     r"now 1\)", stdout), stdout
+    assert re.search(
+        r"resumed from \S+step-00000004 at step 4 \(32 samples consumed, saved with world size 2, "
+        r"now 1\)",
+        stdout,
+    ), stdout
     assert [m["step"] for m in metrics] == [5, 6]
     before = {m["step"]: m["sample_ids"] for m in two_rank_run["metrics"]}
     assert [m["sample_ids"] for m in metrics] == [before[5], before[6]]
@@ -147,8 +172,10 @@ def test_total_steps_counts_full_batches_per_epoch_capped_by_max_steps(tiny_run,
 def test_padding_past_the_ttt_unroll_changes_no_loss(tiny_run, tmp_path):
     setup = build_setup(tiny_job(tiny_run, tmp_path))
     samples = [setup.samples.load_sample(i) for i in (0, 1)]
-    losses = [ttt_loss(setup.draft, collate(samples, 64, min_len=width), setup.head_rows, 3, 0.8)[0].item()
-              for width in (0, 40)]
+    losses = [
+        ttt_loss(setup.draft, collate(samples, 64, min_len=width), setup.head_rows, 3, 0.8)[0].item()
+        for width in (0, 40)
+    ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     # ttt_loss needs more columns than unroll steps: a 4-token batch trains once padded to 8 for 7 steps.
     total, *_ = ttt_loss(setup.draft, collate(samples, 4, min_len=8), setup.head_rows, 7, 0.8)

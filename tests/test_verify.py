@@ -27,13 +27,17 @@ CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=4)  # ~63 tokens of H=64 flo
 
 def write_tokenized(path, samples, *, dataset_hash="d5e7"):
     n = len(samples)
-    table = pa.table({
-        "sample_index": pa.array(range(n), pa.int64()),
-        "id": pa.array([f"s{i}" for i in range(n)]),
-        "input_ids": pa.array(samples, pa.list_(pa.int32())),
-        "loss_mask": pa.array([[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())),
-        "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
-    }).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
+    table = pa.table(
+        {
+            "sample_index": pa.array(range(n), pa.int64()),
+            "id": pa.array([f"s{i}" for i in range(n)]),
+            "input_ids": pa.array(samples, pa.list_(pa.int32())),
+            "loss_mask": pa.array(
+                [[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())
+            ),
+            "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
+        }
+    ).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
     pq.write_table(table, path)
     return path
 
@@ -45,10 +49,16 @@ def extracted(tmp_path_factory, random_target_dir):
     rng = random.Random(1)
     samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 20))] for _ in range(10)]
     tokenized = write_tokenized(root / "tokenized.parquet", samples)
-    extract_hidden_states(tokenized_path=tokenized, shards_dir=root / "shards", target_path=random_target_dir,
-                          aux_layer_ids=None, extract_cfg=CFG)
-    expected = expected_shard_meta(target_path=random_target_dir, aux_layer_ids=None, dtype="float32",
-                                   tokenized_path=tokenized)
+    extract_hidden_states(
+        tokenized_path=tokenized,
+        shards_dir=root / "shards",
+        target_path=random_target_dir,
+        aux_layer_ids=None,
+        extract_cfg=CFG,
+    )
+    expected = expected_shard_meta(
+        target_path=random_target_dir, aux_layer_ids=None, dtype="float32", tokenized_path=tokenized
+    )
     return tokenized, root / "shards", expected
 
 
@@ -60,8 +70,9 @@ def shards(tmp_path, extracted):
 
 
 def _verify(shards_dir, extracted, mode="full", expected=None):
-    return verify_shards(shards_dir=shards_dir, tokenized_path=extracted[0], expected=expected or extracted[2],
-                         mode=mode)
+    return verify_shards(
+        shards_dir=shards_dir, tokenized_path=extracted[0], expected=expected or extracted[2], mode=mode
+    )
 
 
 def _bad_reasons(report):
@@ -85,8 +96,16 @@ def test_good_shards_pass_both_modes(shards, extracted):
         summary = report.summary()
         assert (summary["shards"], summary["ok"], summary["bad"]) == (len(report.rows), len(report.rows), 0)
         assert summary["tokens"] == sum(r.num_tokens for r in read_manifest(shards))
-    assert report.rows[0].checks_passed == ["listed", "sha256", "header", "metadata", "layout", "offsets", "finite",
-                                            "dataset"]
+    assert report.rows[0].checks_passed == [
+        "listed",
+        "sha256",
+        "header",
+        "metadata",
+        "layout",
+        "offsets",
+        "finite",
+        "dataset",
+    ]
     raise_if_bad(report)
 
 
@@ -110,7 +129,8 @@ def test_nan_values_are_flagged(shards, extracted):
     _rewrite(shards, 0, put_nan)
     reasons = _bad_reasons(_verify(shards, extracted))
     assert reasons["shard-00000.safetensors"].startswith(
-        "shard-00000.safetensors: aux_hidden_states has non-finite values (first at token 3, sample 0)")
+        "shard-00000.safetensors: aux_hidden_states has non-finite values (first at token 3, sample 0)"
+    )
 
 
 def test_wrong_width_is_flagged(shards, extracted):
@@ -140,8 +160,10 @@ def test_other_target_is_flagged(shards, extracted):
 def test_missing_shard_file_is_flagged(shards, extracted):
     (shards / shard_filename(1)).unlink()
     reasons = _bad_reasons(_verify(shards, extracted, "cheap"))
-    assert reasons == {"shard-00001.safetensors": "shard-00001.safetensors: listed in the manifest but missing on "
-                       "disk; quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"}
+    assert reasons == {
+        "shard-00001.safetensors": "shard-00001.safetensors: listed in the manifest but missing on "
+        "disk; quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"
+    }
 
 
 def test_extra_shard_file_is_flagged(shards, extracted):
@@ -177,8 +199,10 @@ def test_samples_in_no_shard_are_a_problem(shards, extracted):
     write_manifest(shards, rows[:-1])
     report = _verify(shards, extracted, "cheap")
     assert not report.ok and all(r.status == "ok" for r in report.rows)
-    assert report.problems == [f"{shards}: samples {rows[-1].sample_start}..9 (of 10) are in no shard of the "
-                               f"manifest; re-run extraction to fill them"]
+    assert report.problems == [
+        f"{shards}: samples {rows[-1].sample_start}..9 (of 10) are in no shard of the "
+        f"manifest; re-run extraction to fill them"
+    ]
 
 
 def test_raise_if_bad_lists_every_bad_shard(shards, extracted):
@@ -189,7 +213,8 @@ def test_raise_if_bad_lists_every_bad_shard(shards, extracted):
         raise_if_bad(report)
     msg = str(e.value)
     assert msg.startswith(
-        f"shard verification (cheap) failed: 2 of {len(report.rows)} shards bad, 0 directory problems")
+        f"shard verification (cheap) failed: 2 of {len(report.rows)} shards bad, 0 directory problems"
+    )
     assert "shard-00000.safetensors: listed in the manifest but missing" in msg
     assert "shard-00099.safetensors: not in the manifest" in msg
     assert e.value.report.bad_files == ["shard-00000.safetensors", "shard-00099.safetensors"]
@@ -200,8 +225,16 @@ def test_report_is_written_as_parquet(shards, extracted, tmp_path):
     report = _verify(shards, extracted, "cheap")
     path = write_verify_report(report, tmp_path / "verify" / "report.parquet")
     table = pq.read_table(path)
-    assert table.column_names == ["shard", "file", "status", "checks_passed", "reason", "num_tokens", "num_bytes",
-                                  "seconds"]
+    assert table.column_names == [
+        "shard",
+        "file",
+        "status",
+        "checks_passed",
+        "reason",
+        "num_tokens",
+        "num_bytes",
+        "seconds",
+    ]
     rows = table.to_pylist()
     assert [(r["shard"], r["status"]) for r in rows][:2] == [(0, "bad"), (1, "ok")]
     assert rows[1]["checks_passed"] == ["listed", "header", "metadata", "layout", "offsets"]
@@ -227,7 +260,12 @@ def test_quarantined_shards_are_reextracted_and_pass(shards, extracted, random_t
     assert report.bad_files == ["shard-00001.safetensors"]
     moved = quarantine_shards(shards, report.bad_files)
     assert [p.name.split(".safetensors")[0] for p in moved] == ["shard-00001"]
-    summary = extract_hidden_states(tokenized_path=extracted[0], shards_dir=shards, target_path=random_target_dir,
-                                    aux_layer_ids=None, extract_cfg=CFG)
+    summary = extract_hidden_states(
+        tokenized_path=extracted[0],
+        shards_dir=shards,
+        target_path=random_target_dir,
+        aux_layer_ids=None,
+        extract_cfg=CFG,
+    )
     assert summary.shards_written == 1
     assert _verify(shards, extracted).ok

@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(BIN)/eyas demo $(if $(APPROVE),--approve $(APPROVE))
 
 test: $(STAMP)
+	$(BIN)/ruff check eyas flows tasks eyas_cli tests scripts bench
 	$(BIN)/python -m pytest -q tests
 
 target: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import select
 import sys
 import threading
 import time
@@ -80,10 +81,20 @@ class GateWatcher(threading.Thread):
         )
         if not sys.stdin.isatty():
             return
-        reply = input("Approve training now? [y/N] ").strip().lower()
-        try:
-            approve_run(
-                run.id, approve=reply in ("y", "yes"), reviewer=getpass.getuser(), note="answered in the terminal"
-            )
-        except RuntimeError as err:  # answered meanwhile in the UI or by `eyas approve`
-            print(f"not answered from the terminal: {err}", flush=True)
+        reply = self._ask_unless_answered_elsewhere(run.id, "Approve training now? [y/N] ")
+        if reply is None:
+            print("\n(the gate was answered elsewhere)", flush=True)
+            return
+        approve_run(run.id, approve=reply in ("y", "yes"), reviewer=getpass.getuser(), note="answered in the terminal")
+
+    def _ask_unless_answered_elsewhere(self, run_id, prompt: str) -> str | None:
+        """Read a line from the terminal; None once the run is no longer paused (UI or `eyas approve`)."""
+        print(prompt, end="", flush=True)
+        while True:
+            readable, _, _ = select.select([sys.stdin], [], [], 1.0)
+            if readable:
+                return sys.stdin.readline().strip().lower()
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(run_id).state
+            if state is None or not state.is_paused():
+                return None

@@ -23,9 +23,12 @@ complete one, on any world size, continuing the same sample order. At the end ra
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,7 @@ from eyas.target import load_embed_and_lm_head, target_fingerprint
 from eyas.vocab import load_vocab
 
 METRIC_PREFIX = "EYAS_METRIC "
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def load_job(path: str | Path) -> TrainJob:
@@ -339,8 +343,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def die_with_launcher() -> None:
+    """Under torchrun (Linux), have the kernel SIGKILL this worker when the launcher dies.
+
+    torchrun starts each worker in a session of its own, so killing the launcher (a cancelled
+    flow, `kill -9`) would otherwise leave orphans that go on training and hold their GPUs.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG, SIGKILL) failed for the eyas.train worker")
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     job = load_job(parse_args(argv).config)
+    die_with_launcher()
     ctx = init_distributed(job.train.backend)
     try:
         train(job, ctx)

@@ -52,6 +52,11 @@ class ExtractConfig(StrictModel):
 
 class VerifyConfig(StrictModel):
     mode: Literal["cheap", "full"] = Field(default="full", description="cheap: headers + manifest; full: every byte")
+    num_heal_rounds: int = Field(
+        default=1, ge=0, le=5, description="quarantine + re-extract + verify again this many times before failing"
+    )
+    num_workers: int = Field(default=0, ge=0, description="threads verifying shards in parallel; 0 = one per core")
+    chunk_bytes: int = Field(default=8 << 20, ge=1 << 16, description="bytes each thread reads at a time")
 
 
 class DraftConfig(StrictModel):
@@ -90,6 +95,9 @@ class TrainConfig(StrictModel):
     keep_last_checkpoints: int = Field(default=2, ge=1)
     max_steps: int = Field(default=0, ge=0, description="stop after N steps; 0 = run all epochs")
     seed: int = Field(default=0)
+    max_idle_gpu_memory_mib: int = Field(
+        default=1024, ge=0, description="preflight: a GPU using more memory than this before launch counts as busy"
+    )
 
 
 class SmokeConfig(StrictModel):
@@ -115,6 +123,44 @@ class BenchConfig(StrictModel):
     steps: int = Field(default=3, ge=1, description="chain length k (topk 1)")
     max_new_tokens: int = Field(default=64, ge=1)
     min_tau: float = Field(default=1.0, ge=0, description="fail the flow when tau_mean is below this")
+    engine: Literal["reference", "sglang"] = Field(
+        default="reference", description="reference: eyas's loop through hf (CPU or GPU); sglang: a served run (GPU)"
+    )
+    topk: int = Field(default=1, ge=1, description="1 = chain of `steps`; > 1 = tree (EAGLE-2/3 expansion)")
+    num_draft_tokens: int = Field(
+        default=0, ge=0, description="tree size as SGLang counts it (root included); 0 = steps + 1 (a chain)"
+    )
+    ngram_max_n: int = Field(default=3, ge=1, description="longest suffix the n-gram baseline looks up")
+    diagnose_num_samples: int = Field(default=8, ge=1, description="shard samples for the teacher-forced check")
+    min_teacher_forced_accuracy: float = Field(
+        default=0.3, ge=0, le=1, description="the diagnosis calls the draft weak below this step-0 accuracy"
+    )
+    sglang_port: int = Field(default=30000, ge=1, le=65535, description="port of the launched SGLang server")
+    sglang_concurrency: int = Field(default=16, ge=1, description="requests in flight against SGLang")
+    sglang_startup_timeout_s: int = Field(default=1800, ge=10, description="wait this long for GET /health")
+    sglang_extra_args: list[str] = Field(
+        default_factory=list,
+        description="more launch_server flags, e.g. ['--tp-size', '8', '--mem-fraction-static', '0.8']",
+    )
+
+    @model_validator(mode="after")
+    def _draft_tokens_match_shape(self) -> "BenchConfig":
+        if self.topk == 1 and self.num_draft_tokens not in (0, self.steps + 1):
+            raise ValueError(
+                f"bench.num_draft_tokens={self.num_draft_tokens} with bench.topk=1 (a chain of steps={self.steps}): "
+                f"expected 0 or steps + 1 = {self.steps + 1}"
+            )
+        if self.topk > 1 and self.num_draft_tokens < 2:
+            raise ValueError(
+                f"bench.topk={self.topk} (a tree) needs bench.num_draft_tokens >= 2 (root + drafted nodes), "
+                f"found {self.num_draft_tokens}"
+            )
+        return self
+
+    @property
+    def draft_tokens(self) -> int:
+        """num_draft_tokens with the chain default resolved."""
+        return self.num_draft_tokens or self.steps + 1
 
 
 class RunConfig(StrictModel):

@@ -12,7 +12,7 @@ from flows.extract import extract_flow
 from flows.gate import approval_gate
 from flows.train import train_flow
 from flows.verify import verify_flow
-from tasks.train import gate_summary, smoke_run
+from tasks.train import gate_summary, preflight, smoke_run
 
 
 @flow(name="pipeline", log_prints=True)
@@ -21,7 +21,8 @@ def pipeline(config: RunConfig) -> dict:
     extract_flow(config)
     verified = verify_flow(config)
     smoke = smoke_run(config)
-    approval_gate(config, gate_summary(config, dataset, verified, smoke))
+    devices = preflight(config)
+    approval_gate(config, gate_summary(config, dataset, verified, smoke, devices))
     train_flow(config, require_approval=False)
     export_dir = export_flow(config)
     return bench_flow(config, export_dir)

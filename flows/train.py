@@ -10,7 +10,7 @@ from prefect import flow
 from eyas.config import RunConfig
 from eyas.dataset import read_tokenized
 from flows.gate import approval_gate
-from tasks.train import gate_summary, launch_torchrun, smoke_run
+from tasks.train import gate_summary, launch_torchrun, preflight, smoke_run
 
 
 @flow(name="train-drafter", log_prints=True)
@@ -18,7 +18,10 @@ def train_flow(config: RunConfig, require_approval: bool = True) -> dict:
     num_samples = len(read_tokenized(config.paths.tokenized)[0])
     if require_approval:
         smoke = smoke_run(config)
-        summary = gate_summary(config, {"dataset": {"num_samples": num_samples}}, {"mode": "not run here"}, smoke)
+        devices = preflight(config)
+        summary = gate_summary(
+            config, {"dataset": {"num_samples": num_samples}}, {"mode": "not run here"}, smoke, devices
+        )
         approval_gate(config, summary)
     final = launch_torchrun(config, num_samples)
     print(f"training finished: {final}")

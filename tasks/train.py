@@ -9,6 +9,7 @@ from prefect import task
 
 from eyas.config import RunConfig
 from eyas.jobs import format_command, gpu_hours_estimate, planned_steps, torchrun_command, train_job, write_train_job
+from eyas.preflight import device_preflight, record_launch
 from eyas.smoke import smoke_train
 from tasks.reporting import StageProgress, markdown_table, png_artifact
 
@@ -36,8 +37,17 @@ def smoke_run(config: RunConfig) -> dict:
     }
 
 
+@task(name="device-preflight")
+def preflight(config: RunConfig) -> dict:
+    """The devices the run needs are visible and idle, and no earlier eyas launch is still running."""
+    report = device_preflight(config.train, config.paths.train_dir)
+    if not report.ok:
+        raise RuntimeError("device preflight failed:\n" + "\n".join(f"- {p}" for p in report.problems))
+    return report.to_dict()
+
+
 @task(name="gate-summary")
-def gate_summary(config: RunConfig, dataset: dict, verified: dict, smoke: dict) -> str:
+def gate_summary(config: RunConfig, dataset: dict, verified: dict, smoke: dict, devices: dict) -> str:
     """The Markdown a reviewer sees above the approval form."""
     job_path = config.paths.train_dir / "job.json"
     num_samples = dataset["dataset"]["num_samples"]
@@ -52,6 +62,10 @@ def gate_summary(config: RunConfig, dataset: dict, verified: dict, smoke: dict) 
         "## Smoke run",
         f"loss {smoke['first_loss']} -> {smoke['last_loss']} in {smoke['steps']} steps ({smoke['seconds']} s): "
         f"{'passed' if smoke['passed'] else 'FAILED'}",
+        "## Device preflight",
+        f"backend {devices['backend']}, {devices['num_processes']} processes: "
+        f"{'passed' if devices['ok'] else 'FAILED'}",
+        markdown_table(devices["devices"]),
         "## Estimate",
         f"{planned_steps(num_samples, config)} optimizer steps on {config.train.num_processes} processes; "
         f"estimated GPU-hours: {gpu_hours_estimate(num_samples, config):.2f}",
@@ -73,8 +87,11 @@ def launch_torchrun(config: RunConfig, num_samples: int) -> dict:
     with (
         StageProgress("train-progress", "training", "samples_consumed", "total") as progress,
         open(log_path, "a") as log,
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        ) as proc,
     ):
+        record_launch(train_dir, proc.pid, cmd)
         for line in proc.stdout:
             log.write(line)
             if line.startswith(METRIC_PREFIX):

@@ -95,6 +95,9 @@ class TrainConfig(StrictModel):
     keep_last_checkpoints: int = Field(default=2, ge=1)
     max_steps: int = Field(default=0, ge=0, description="stop after N steps; 0 = run all epochs")
     seed: int = Field(default=0)
+    mixed_precision: Literal["auto", "bf16", "off"] = Field(
+        default="auto", description="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 on CPU is an error"
+    )
     max_idle_gpu_memory_mib: int = Field(
         default=1024, ge=0, description="preflight: a GPU using more memory than this before launch counts as busy"
     )

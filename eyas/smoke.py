@@ -111,7 +111,7 @@ def smoke_train(job: TrainJob, smoke: SmokeConfig) -> SmokeResult:
     batch = collate(samples, job.draft.max_position_embeddings, min_len=t.ttt_steps + 1)
     optimizer = make_optimizer(setup.draft, smoke.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    objective = TTTObjective(setup.draft, setup.head_rows, t.ttt_steps, t.ttt_decay)
+    objective = TTTObjective(setup.draft, setup.head_rows, t.ttt_steps, t.ttt_decay, bf16=False)
     losses = []
     for _ in range(smoke.num_steps):
         stats = train_step(objective, optimizer, scheduler, batch, t.max_grad_norm)

@@ -109,14 +109,25 @@ def build_setup(job: TrainJob) -> TrainSetup:
 class TTTObjective(nn.Module):
     """The draft plus its loss, so that DDP's forward (which arms gradient sync) runs the TTT unroll."""
 
-    def __init__(self, draft: Eagle3Draft, head_rows: torch.Tensor, num_steps: int, decay: float):
+    def __init__(self, draft: Eagle3Draft, head_rows: torch.Tensor, num_steps: int, decay: float, bf16: bool):
         super().__init__()
         self.draft = draft
         self.head_rows = head_rows  # a plain attribute: constant, neither saved nor broadcast
-        self.num_steps, self.decay = num_steps, decay
+        self.num_steps, self.decay, self.bf16 = num_steps, decay, bf16
 
     def forward(self, batch: dict):
-        return ttt_loss(self.draft, batch, self.head_rows, self.num_steps, self.decay)
+        # the soft cross-entropy itself is computed in fp32 inside ttt_loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            return ttt_loss(self.draft, batch, self.head_rows, self.num_steps, self.decay)
+
+
+def use_bf16(mixed_precision: str, device: torch.device) -> bool:
+    """auto: bf16 autocast on CUDA, fp32 on CPU; an explicit bf16 without CUDA is refused."""
+    if mixed_precision == "bf16" and device.type != "cuda":
+        raise ValueError(
+            f"train.mixed_precision='bf16' on {device}: bf16 autocast is for CUDA devices; use 'auto' or 'off' on CPU"
+        )
+    return device.type == "cuda" and mixed_precision != "off"
 
 
 def make_optimizer(draft: Eagle3Draft, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -249,7 +260,8 @@ class Trainer:
         state = resume(job, self.setup, self.optimizer, self.scheduler, ctx)
         self.step, self.consumed, self.loss = state["step"], state["samples_consumed"], state["loss"]
         self.checkpoint = state["checkpoint"]
-        objective = TTTObjective(self.draft, self.setup.head_rows.to(ctx.device), t.ttt_steps, t.ttt_decay)
+        bf16 = use_bf16(t.mixed_precision, ctx.device)
+        objective = TTTObjective(self.draft, self.setup.head_rows.to(ctx.device), t.ttt_steps, t.ttt_decay, bf16)
         # d2t/t2d never change: no buffer sync per forward.
         self.model = nn.parallel.DistributedDataParallel(objective, forward_sync_buffers=False)
 

@@ -1,19 +1,17 @@
 """eyas.data: the sample index over shards, the (seed, epoch) order, rank slices, collate.
 
-`write_tiny_run` (also used by test_train.py and test_smoke.py) writes a tiny target, vocab and
-shards whose next-token rule is learnable, in the formats the other stages write.
+`write_tiny_run` and `tiny_job` (also used by test_train.py, test_train_crash.py and test_smoke.py)
+give a tiny synthetic run (eyas.synthetic) and a TrainJob over it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from eyas.config import DraftConfig, TrainConfig, TrainJob
 from eyas.data import (
@@ -24,109 +22,15 @@ from eyas.data import (
     global_order,
     rank_slice,
 )
-from eyas.target import target_fingerprint
+from eyas.synthetic import SyntheticSpec, write_synthetic_run
 
-HIDDEN, NUM_AUX, VOCAB, DRAFT_VOCAB = 32, 3, 64, 32
-AUX_LAYER_IDS = [1, 2, 3]
-
-
-def write_tiny_target(root: Path, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """config.json + model.safetensors holding only embed_tokens and lm_head (unit-norm rows)."""
-    root.mkdir(parents=True)
-    embed = torch.randn(VOCAB, HIDDEN, generator=gen)
-    lm_head = torch.nn.functional.normalize(torch.randn(VOCAB, HIDDEN, generator=gen), dim=-1)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 4,
-        "tie_word_embeddings": False,
-    }
-    (root / "config.json").write_text(json.dumps(config))
-    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}, root / "model.safetensors")
-    return embed, lm_head
-
-
-def write_vocab(path: Path) -> None:
-    """Draft vocab = the even target ids, so d2t[i] = i (target id 2i)."""
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[::2] = True
-    save_file({"d2t": torch.arange(DRAFT_VOCAB, dtype=torch.int64), "t2d": t2d}, path)
-
-
-def make_samples(num_samples: int, lm_head: torch.Tensor, gen: torch.Generator) -> list[dict]:
-    """Token chains x_{t+1} = succ(x_t) over the draft vocab; aux states encode x_t, the target predicts x_{t+1}."""
-    succ = torch.randperm(DRAFT_VOCAB, generator=gen) * 2
-    codes = torch.randn(VOCAB, NUM_AUX * HIDDEN, generator=gen)
-    samples = []
-    for _ in range(num_samples):
-        length = int(torch.randint(10, 17, (1,), generator=gen))
-        ids = [2 * int(torch.randint(DRAFT_VOCAB, (1,), generator=gen))]
-        for _ in range(length):
-            ids.append(int(succ[ids[-1] // 2]))
-        ids = torch.tensor(ids)
-        tokens, following = ids[:-1], ids[1:]
-        mask = torch.ones(length, dtype=torch.uint8)
-        mask[:2] = 0
-        samples.append(
-            {
-                "input_ids": tokens,
-                "loss_mask": mask,
-                "aux_hidden_states": codes[tokens] + 0.05 * torch.randn(length, NUM_AUX * HIDDEN, generator=gen),
-                "last_hidden_states": 8.0 * lm_head[following],
-            }
-        )
-    return samples
-
-
-def write_shards(shards_dir: Path, samples: list[dict], per_shard: int, fingerprint: str) -> None:
-    """Shards and manifest.parquet in the eyas.shards format."""
-    shards_dir.mkdir(parents=True)
-    rows = []
-    for index, start in enumerate(range(0, len(samples), per_shard)):
-        chunk = samples[start : start + per_shard]
-        lengths = torch.tensor([s["input_ids"].numel() for s in chunk])
-        tensors = {k: torch.cat([s[k] for s in chunk]) for k in chunk[0]}
-        tensors["sample_offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        tensors["sample_indices"] = torch.arange(start, start + len(chunk), dtype=torch.int64)
-        name = f"shard-{index:05d}.safetensors"
-        metadata = {
-            "format_version": "1",
-            "aux_layer_ids": json.dumps(AUX_LAYER_IDS),
-            "layer_id_convention": "hf_hidden_states",
-            "hidden_size": str(HIDDEN),
-            "num_aux": str(NUM_AUX),
-            "dtype": "float32",
-            "target_fingerprint": fingerprint,
-        }
-        save_file(tensors, shards_dir / name, metadata=metadata)
-        rows.append(
-            {
-                "shard_index": index,
-                "file": name,
-                "sample_start": start,
-                "sample_end": start + len(chunk),
-                "num_tokens": int(lengths.sum()),
-                "num_bytes": (shards_dir / name).stat().st_size,
-                "sha256": "0" * 64,
-            }
-        )
-    pq.write_table(pa.Table.from_pylist(rows), shards_dir / "manifest.parquet")
+SPEC = SyntheticSpec()
+HIDDEN, NUM_AUX, VOCAB, DRAFT_VOCAB = SPEC.hidden, SPEC.num_aux, SPEC.vocab, SPEC.draft_vocab
+AUX_LAYER_IDS = list(SPEC.aux_layer_ids)
 
 
 def write_tiny_run(root: Path, *, num_samples: int = 32, per_shard: int = 10, seed: int = 0) -> dict:
-    """A target dir, vocab and shards under root; returns their paths and the samples written."""
-    gen = torch.Generator().manual_seed(seed)
-    _, lm_head = write_tiny_target(root / "target", gen)
-    write_vocab(root / "vocab.safetensors")
-    samples = make_samples(num_samples, lm_head, gen)
-    write_shards(root / "shards", samples, per_shard, target_fingerprint(root / "target"))
-    return {
-        "target": root / "target",
-        "vocab": root / "vocab.safetensors",
-        "shards": root / "shards",
-        "samples": samples,
-    }
+    return write_synthetic_run(root, num_samples=num_samples, per_shard=per_shard, seed=seed)
 
 
 def tiny_job(run: dict, output_dir: Path, **train) -> TrainJob:

@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -194,7 +194,8 @@ def read_manifest(shards_dir: Path) -> list[ManifestRow]:
             f"{path}: columns {table.schema.names}, expected {MANIFEST_SCHEMA.names}; "
             f"the manifest is not eyas's: move the shards directory aside and re-extract"
         )
-    rows = [ManifestRow(**r) for r in table.to_pylist()]
+    columns = table.to_pydict()
+    rows = [ManifestRow(*values) for values in zip(*(columns[n] for n in MANIFEST_SCHEMA.names))]
     indices = [r.shard_index for r in rows]
     if len(set(indices)) != len(indices):
         dupes = sorted({i for i in indices if indices.count(i) > 1})
@@ -222,7 +223,9 @@ def append_manifest_row(shards_dir: Path, row: ManifestRow) -> None:
 
 def shard_files(shards_dir: Path) -> list[Path]:
     """The `*.safetensors` files in the directory (not temporaries, not the quarantine), sorted."""
-    return sorted(p for p in Path(shards_dir).glob("*.safetensors") if p.is_file())
+    with os.scandir(shards_dir) as entries:
+        names = sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())
+    return [Path(shards_dir) / n for n in names]
 
 
 def remove_stray_temporaries(shards_dir: Path) -> list[Path]:
@@ -233,26 +236,35 @@ def remove_stray_temporaries(shards_dir: Path) -> list[Path]:
     return strays
 
 
-def quarantine_shards(shards_dir: Path, files: Sequence[str]) -> list[Path]:
-    """Move the named shard files into `quarantine/` and drop their manifest rows, so that the
-    next extraction run re-extracts them. Returns the quarantined paths."""
+def quarantine_shards(shards_dir: Path, reasons: Mapping[str, str]) -> list[Path]:
+    """Move each named shard file (a key of `reasons`) into `quarantine/` as `NAME.STAMP`, beside
+    `NAME.STAMP.reason.txt` holding its reason, and drop its manifest row, so that the next extraction
+    run re-extracts it. A file already gone still gets its reason file. Returns the reason files."""
     shards_dir = Path(shards_dir)
     qdir = shards_dir / QUARANTINE_DIR
     qdir.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    moved = []
-    for name in files:
+    written = []
+    for name, reason in sorted(reasons.items()):
+        if not reason:
+            raise ValueError(f"quarantine {shards_dir / name}: empty reason; say why the shard is set aside")
+        dst, k = qdir / f"{name}.{stamp}", 1
+        while dst.exists() or dst.with_name(dst.name + ".reason.txt").exists():
+            dst, k = qdir / f"{name}.{stamp}-{k}", k + 1
         src = shards_dir / name
-        if src.exists():
-            dst = qdir / f"{name}.{stamp}"
+        found = src.exists()
+        if found:
             os.replace(src, dst)
-            moved.append(dst)
+        note = dst.with_name(dst.name + ".reason.txt")
+        atomic_write_bytes(note, (reason + "\n" + ("" if found else "(the file was already missing)\n")).encode())
+        written.append(note)
+    fsync_path(qdir)
     fsync_path(shards_dir)
-    rows, names = read_manifest(shards_dir), set(files)
-    kept = [r for r in rows if r.file not in names]
+    rows = read_manifest(shards_dir)
+    kept = [r for r in rows if r.file not in reasons]
     if len(kept) != len(rows):
         write_manifest(shards_dir, kept)
-    return moved
+    return written
 
 
 def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], ShardMeta]:

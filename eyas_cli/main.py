@@ -5,7 +5,9 @@ Usage:
   eyas run CONFIG [--approve yes|no]     the whole pipeline for a preset (JSON RunConfig)
   eyas dataset|extract|verify|train|export|bench CONFIG    one stage
   eyas approve RUN_ID [--reject] [--note TEXT] [--reviewer NAME]
-  eyas inspect PATH                      audit an exported drafter (no Prefect needed)
+  eyas inspect PATH [--num-target-layers N]     audit a drafter checkpoint (no Prefect, no torch)
+  eyas remap SRC DST --to FORMAT [--dtype D] [--embed-from F] [--num-target-layers N]
+  eyas stop TRAIN_DIR                    stop the trainer processes eyas started there (and only those)
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ STAGES = ("dataset", "extract", "verify", "train", "export", "bench")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from eyas.formats import ENGINE_LOADS
+
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the pipeline on the tiny target")
@@ -46,6 +50,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     approve.add_argument("--reviewer", default=getpass.getuser())
     inspect = sub.add_parser("inspect", help="audit a drafter checkpoint directory")
     inspect.add_argument("path")
+    stop = sub.add_parser("stop", help="stop the training processes eyas recorded in a train directory")
+    stop.add_argument("train_dir")
+    remap = sub.add_parser("remap", help="convert a drafter checkpoint to another format")
+    remap.add_argument("src")
+    remap.add_argument("dst")
+    remap.add_argument("--to", required=True, help="eyas, sglang, sglang-0.5.12, vllm, speculators or eagle")
+    remap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: keep the source's")
+    remap.add_argument("--embed-from", help="safetensors file with the target's embed_tokens (formats that keep it)")
+    for p in (inspect, remap):
+        p.add_argument("--num-target-layers", type=int, help="the target's layer count (layer-id checks)")
+    inspect.add_argument("--engine", choices=sorted(ENGINE_LOADS), help="an engine version that must fill every tensor")
     return parser.parse_args(argv)
 
 
@@ -108,6 +123,29 @@ def run_stage(stage: str, config) -> int:
     return 0 if state.is_completed() else 1
 
 
+def run_remap(args: argparse.Namespace) -> int:
+    from eyas.formats import FORMATS
+    from eyas.remap import remap_checkpoint
+
+    if args.to not in FORMATS:
+        print(f"eyas remap --to {args.to}: unknown format; expected one of {sorted(FORMATS)}", file=sys.stderr)
+        return 2
+    try:
+        out = remap_checkpoint(
+            args.src,
+            args.dst,
+            to=args.to,
+            dtype=args.dtype,
+            embed_from=args.embed_from,
+            num_target_layers=args.num_target_layers,
+        )
+    except ValueError as err:
+        print(f"eyas remap: {err}", file=sys.stderr)
+        return 1
+    print(f"{args.src} -> {out} ({args.to}); key set and shapes checked")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "demo":
@@ -126,9 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         from eyas.inspect import inspect_drafter
 
-        report = inspect_drafter(args.path)
+        try:
+            report = inspect_drafter(args.path, num_target_layers=args.num_target_layers, engine=args.engine)
+        except (OSError, ValueError) as err:
+            print(f"eyas inspect: {err}", file=sys.stderr)
+            return 2
         print(report.text)
         return 0 if report.ok else 1
+    if args.command == "remap":
+        return run_remap(args)
+    if args.command == "stop":
+        from eyas.preflight import stop_recorded
+
+        stopped = stop_recorded(Path(args.train_dir))
+        print(f"stopped {stopped}" if stopped else f"no process recorded in {args.train_dir} is running")
+        return 0
     raise AssertionError(args.command)
 
 

@@ -1,15 +1,33 @@
-"""Flow `verify-shards`: every shard checked against its manifest row, the dataset and the config."""
+"""Flow `verify-shards`: every shard checked against its manifest row, the dataset and the config;
+bad shards are quarantined with their reasons, re-extracted and verified again."""
 
 from __future__ import annotations
 
 from prefect import flow
 
 from eyas.config import RunConfig
-from tasks.extract import verify_shard_set
+from eyas.verify import raise_if_bad
+from flows.extract import extract_flow
+from tasks.extract import quarantine_bad, verify_shard_set
 
 
 @flow(name="verify-shards", log_prints=True)
 def verify_flow(config: RunConfig) -> dict:
-    summary = verify_shard_set(config)
+    """Verify every shard; quarantine, re-extract and re-verify bad ones up to num_heal_rounds times."""
+    report = verify_shard_set(config)
+    quarantined, rounds = [], 0
+    while not report.ok and rounds < config.verify.num_heal_rounds:
+        rounds += 1
+        print(f"healing round {rounds}: {len(report.bad_files)} bad shards, {len(report.problems)} directory problems")
+        quarantined += quarantine_bad(config, report)
+        extract_flow(config)
+        report = verify_shard_set(config, heal_round=rounds)
+    raise_if_bad(report, heal_rounds=rounds)
+    summary = {
+        **report.summary(),
+        "heal_rounds": rounds,
+        "quarantined": len(quarantined),
+        "report": str(config.paths.verify_report),
+    }
     print(f"verification: {summary}")
     return summary

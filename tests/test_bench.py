@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.bench import (
+    BENCHMARK_FIELDS,
     DecodeResult,
     DraftProposer,
     LosslessError,
+    NgramProposer,
     accept_rates,
     check_lossless,
     encode_prompts,
@@ -73,9 +75,16 @@ def random_draft(target):
     return build_draft(ARCH, embed_weight(target).detach().float(), *vocab_mapping(), seed=5).eval()
 
 
-def decode(target, proposer, prompt, steps=3, max_new_tokens=16, eos=None) -> DecodeResult:
+def decode(target, proposer, prompt, steps=3, max_new_tokens=16, eos=None, **tree) -> DecodeResult:
     return reference_decode(
-        target, proposer, prompt, aux_layer_ids=AUX_IDS, steps=steps, max_new_tokens=max_new_tokens, eos_token_id=eos
+        target,
+        proposer,
+        prompt,
+        aux_layer_ids=AUX_IDS,
+        steps=steps,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        **tree,
     )
 
 
@@ -143,7 +152,7 @@ def test_check_lossless_names_prompt_and_first_difference():
     assert str(err.value) == (
         "prompt 3 (trained draft): speculative decoding differs from greedy decoding at new-token position 2 "
         "(speculative 7, greedy 8; lengths 4 and 4); the decoding loop is not lossless: this is a bug in "
-        "eyas/bench.py or a nondeterministic target"
+        "eyas/bench_reference.py or a nondeterministic target"
     )
     expected = r"at new-token position 2 \(speculative <end>, greedy 8; lengths 2 and 3\)"
     with pytest.raises(LosslessError, match=expected):
@@ -194,26 +203,15 @@ def test_run_benchmark_reports_the_schema_and_writes_json(random_target_dir, tmp
     export = write_export(tmp_path, random_target_dir, target_fingerprint(random_target_dir))
     prompts = [PROMPTS[0], "def main():", [{"role": "user", "content": "import os\n"}]]
     result = run_benchmark(random_target_dir, export, prompts, steps=3, max_new_tokens=10)
-    assert sorted(result) == sorted(
-        [
-            "engine",
-            "tau_mean",
-            "tau_per_prompt",
-            "accept_rate_per_position",
-            "num_verify_steps",
-            "tau_random",
-            "accept_rate_per_position_random",
-            "steps",
-            "num_prompts",
-            "max_new_tokens",
-            "aux_layer_ids",
-            "lossless",
-            "wall_s",
-        ]
-    )
+    assert sorted(result) == sorted(BENCHMARK_FIELDS)
     assert result["lossless"] is True and result["num_prompts"] == 3 and result["aux_layer_ids"] == AUX_IDS
     assert len(result["tau_per_prompt"]) == 3 and len(result["accept_rate_per_position"]) == 3
     assert 1.0 <= result["tau_mean"] <= 4.0 and 1.0 <= result["tau_random"] <= 4.0
+    assert (
+        1.0 <= result["tau_ngram"] <= 4.0 and result["tau_ratio_vs_ngram"] == result["tau_mean"] / result["tau_ngram"]
+    )
+    assert result["topk"] == 1 and result["num_draft_tokens"] == 4
+    assert result["speedup_vs_greedy"] == result["wall_s_greedy"] / result["wall_s_speculative"]
     path = write_benchmark_json(result, tmp_path / "bench" / "benchmark.json")
     assert json.loads(path.read_text()) == result
 
@@ -222,3 +220,77 @@ def test_run_benchmark_refuses_a_draft_of_another_target(random_target_dir, tmp_
     export = write_export(tmp_path, random_target_dir, "0123456789abcdef")
     with pytest.raises(ValueError, match=r"trained for target fingerprint 0123456789abcdef, but target .* has "):
         run_benchmark(random_target_dir, export, [PROMPTS[0]], steps=3, max_new_tokens=4)
+
+
+class TreeOracle:
+    """A tree whose first branch is a wrong token and whose second holds the target's greedy chain."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, seq, aux, steps):
+        raise AssertionError("a tree round must call propose_tree")
+
+    def propose_tree(self, seq, aux, steps, topk, num_nodes):
+        greedy = greedy_decode(self.model, seq, steps, None)
+        nodes = [((greedy[0] + 1) % 2048, -1), ((greedy[1] + 1) % 2048, 0)]  # a wrong branch, listed first
+        for depth, token in enumerate(greedy):
+            nodes.append((token, -1 if depth == 0 else len(nodes) - 1))
+        return nodes[:num_nodes]
+
+
+def test_cached_greedy_equals_recomputing_greedy(target):
+    for prompt in PROMPTS:
+        assert greedy_decode(target, prompt, 12, None) == greedy_decode(target, prompt, 12, None, use_cache=False)
+
+
+def test_tree_oracle_reaches_steps_plus_one_off_the_first_branch(target):
+    r = decode(target, TreeOracle(target), PROMPTS[1], steps=3, max_new_tokens=13, topk=2, num_draft_tokens=6)
+    assert r.tokens == greedy_decode(target, PROMPTS[1], 13, None, use_cache=False)
+    assert r.accepted_per_step == [3, 3, 3] and r.tau == 4.0
+
+
+def test_random_draft_tree_is_lossless(target, random_draft):
+    r = decode(target, random_draft, PROMPTS[0], steps=2, max_new_tokens=8, topk=2, num_draft_tokens=5)
+    assert r.tokens == greedy_decode(target, PROMPTS[0], 8, None, use_cache=False)
+    assert r.tau is not None and 1.0 <= r.tau < 1.5
+
+
+def test_draft_tree_holds_the_chain_and_keeps_parents_first(random_draft):
+    seq = PROMPTS[2]
+    aux = torch.randn(len(seq) - 1, 192, generator=torch.Generator().manual_seed(1))
+    proposer = DraftProposer(random_draft)
+    nodes = proposer.propose_tree(seq, aux, 3, 2, 7)
+    assert len(nodes) == 7 and all(-1 <= parent < i for i, (_, parent) in enumerate(nodes))
+    chain, node = proposer.propose(seq, aux, 3), -1
+    for token in chain:  # the greedy chain is the best-scoring path, so it is in the tree
+        node = next(i for i, (t, p) in enumerate(nodes) if p == node and t == token)
+
+
+def test_ngram_proposer_copies_what_followed_the_last_match():
+    proposer = NgramProposer(max_n=2)
+    assert proposer.propose([5, 6, 7, 8, 9, 6, 7], None, 3) == [8, 9, 6]
+    assert proposer.propose([5, 6, 7, 5, 6], None, 3) == [7, 5, 6]
+    assert proposer.propose([1, 2, 3], None, 2) == [3, 3]
+    assert proposer.propose([4, 9, 4], None, 3) == [9, 4, 4]
+
+
+def test_ngram_drafter_is_lossless_on_a_repetitive_prompt(target):
+    prompt = [7, 8, 9, 10] * 4
+    r = decode(target, NgramProposer(3), prompt, steps=3, max_new_tokens=12)
+    assert r.tokens == greedy_decode(target, prompt, 12, None, use_cache=False)
+
+
+def test_bench_config_refuses_draft_tokens_that_do_not_fit_the_shape():
+    from pydantic import ValidationError
+
+    from eyas.config import BenchConfig
+
+    assert BenchConfig(prompts_path="p", steps=3).draft_tokens == 4
+    assert BenchConfig(prompts_path="p", steps=3, topk=4, num_draft_tokens=8).draft_tokens == 8
+    with pytest.raises(
+        ValidationError, match=r"bench.num_draft_tokens=6 with bench.topk=1 .* expected 0 or steps \+ 1 = 4"
+    ):
+        BenchConfig(prompts_path="p", steps=3, num_draft_tokens=6)
+    with pytest.raises(ValidationError, match=r"bench.topk=2 \(a tree\) needs bench.num_draft_tokens >= 2"):
+        BenchConfig(prompts_path="p", topk=2)

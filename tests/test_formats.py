@@ -6,12 +6,15 @@ import pytest
 
 from eyas.draft import DraftArch, Eagle3Draft
 from eyas.formats import (
+    ENGINE_LOADS,
+    FORMATS,
     LAYER_ID_CONVENTIONS,
     SGLANG_KEY_MAP,
     KeyCheckError,
     check_keys,
     expected_eyas_shapes,
     expected_sglang_shapes,
+    expected_shapes,
     from_engine_layer_ids,
     invert_key_map,
     remap_keys,
@@ -122,17 +125,87 @@ def test_layer_id_conventions_are_pinned():
     assert {n: c.offset for n, c in LAYER_ID_CONVENTIONS.items()} == {
         "hf_hidden_states": 0,
         "sglang_llama": -1,
+        "sglang_deepseek": 0,
         "specforge": -1,
+        "vllm": 0,
+        "speculators": 0,
+        "eagle_fixed": 0,
     }
+    assert {n: c.shift_if_first for n, c in LAYER_ID_CONVENTIONS.items() if c.shift_if_first} == {"sglang_deepseek": 1}
 
 
 def test_unknown_convention_is_refused():
-    expected = r"layer-id convention 'vllm': unknown; expected one of \['hf_hidden_states', "
+    expected = r"layer-id convention 'tensorrt': unknown; expected one of \['eagle_fixed', 'hf_hidden_states', "
     with pytest.raises(ValueError, match=expected):
-        to_engine_layer_ids([2], "vllm")
+        to_engine_layer_ids([2], "tensorrt")
 
 
 def test_embeddings_cannot_be_captured_by_sglang():
     expected = r"aux_layer_ids=\[0, 4\] \(hf_hidden_states\): gives \[-1, 3\] in sglang_llama"
     with pytest.raises(ValueError, match=expected):
         to_engine_layer_ids([0, 4], "sglang_llama")
+
+
+def test_every_format_key_map_is_pinned():
+    layout = {}
+    for name, fmt in FORMATS.items():
+        assert set(fmt.key_map) == set(expected_eyas_shapes(ARCH)), name
+        kept = [v for v in fmt.key_map.values() if v is not None]
+        prefixes = sorted({k.split(".")[0] for k in kept if k.count(".") > 1})
+        layout[name] = (prefixes, fmt.key_map["embed_tokens.weight"] is not None, fmt.layer_id_convention)
+    assert layout == {
+        "eyas": (["midlayer"], True, "hf_hidden_states"),
+        "sglang": (["midlayer"], False, "sglang_llama"),
+        "sglang-0.5.12": (["layers"], False, "sglang_llama"),
+        "vllm": (["midlayer"], False, "vllm"),
+        "speculators": (["layers"], True, "speculators"),
+        "eagle": (["midlayer"], False, "eagle_fixed"),
+    }
+    assert FORMATS["speculators"].key_map["midlayer.mlp.up_proj.weight"] == "layers.0.mlp.up_proj.weight"
+
+
+def test_engine_loads_are_pinned():
+    assert ENGINE_LOADS == {
+        "sglang<=0.5.10": ("sglang", "vllm", "eagle"),
+        "sglang>=0.5.12": ("sglang", "sglang-0.5.12", "vllm", "eagle"),
+        "vllm": ("sglang", "sglang-0.5.12", "vllm", "speculators", "eagle"),
+        "speculators>=0.9": ("speculators",),
+    }
+
+
+def test_expected_shapes_follow_the_key_map():
+    spec = expected_shapes("speculators", ARCH)
+    assert spec["embed_tokens.weight"] == (2048, 64) and spec["layers.0.self_attn.q_proj.weight"] == (64, 128)
+    assert expected_shapes("sglang", ARCH) == expected_sglang_shapes(ARCH)
+    assert expected_shapes("eyas", ARCH) == expected_eyas_shapes(ARCH)
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(ValueError, match=r"checkpoint format 'tgi': unknown; expected one of \['eagle', 'eyas', "):
+        expected_shapes("tgi", ARCH)
+
+
+def test_check_keys_explains_silent_loader_failures_for_the_format():
+    found = {"layers.0.x": (1,)}
+    with pytest.raises(KeyCheckError) as err:
+        check_keys(found, {"midlayer.x": (1,)}, where="w", fmt="sglang")
+    assert str(err.value).splitlines()[-2:] == [
+        "  why: SGLang <= 0.5.10 silently drops layers.0.* and runs the midlayer with random weights: "
+        "rename them to midlayer.* (eyas remap --to sglang)",
+        "  why: midlayer tensors are missing: the engine keeps their random init without a word "
+        "(SGLang never reports unfilled parameters): re-export from the training checkpoint",
+    ]
+
+
+def test_deepseek_ids_shift_only_when_the_first_id_is_one():
+    assert to_engine_layer_ids([2, 30, 58], "sglang_deepseek") == [1, 29, 57]
+    assert from_engine_layer_ids([1, 29, 57], "sglang_deepseek") == [2, 30, 58]
+    assert to_engine_layer_ids([3, 30, 58], "sglang_deepseek") == [3, 30, 58]
+    assert from_engine_layer_ids([3, 30, 58], "sglang_deepseek") == [3, 30, 58]
+    with pytest.raises(ValueError, match=r"aux_layer_ids=\[1, 30, 58\] \(hf_hidden_states\): cannot be written in "):
+        to_engine_layer_ids([1, 30, 58], "sglang_deepseek")
+
+
+def test_vllm_and_speculators_ids_are_canonical():
+    assert to_engine_layer_ids([2, 16, 29], "vllm") == [2, 16, 29]
+    assert to_engine_layer_ids([2, 16, 32], "speculators") == [2, 16, 32]

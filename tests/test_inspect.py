@@ -29,11 +29,18 @@ def test_layers_0_keys_are_reported_for_sglang(tmp_path, capsys):
     tensors = load_file(out / "model.safetensors")
     renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
     save_file(renamed, str(out / "model.safetensors"))
-    report = inspect_drafter(out)
-    assert not report.ok
+    assert inspect_drafter(out).problems == [
+        "eyas_export.json says format 'sglang', the files read as 'sglang-0.5.12': they were edited after the "
+        "export; re-export (eyas remap) rather than editing keys or config by hand"
+    ]
+    (out / "eyas_export.json").unlink()  # as if written by another tool
+    report = inspect_drafter(out, engine="sglang<=0.5.10")
+    assert report.format == "sglang-0.5.12" and not report.ok
+    assert report.engines == {"sglang<=0.5.10": False, "sglang>=0.5.12": True, "vllm": True, "speculators>=0.9": False}
     assert "midlayer.self_attn.q_proj.weight" in report.problems[0]
     assert "layers.0.self_attn.q_proj.weight" in report.problems[0]
-    assert main(["inspect", str(out)]) == 1
+    assert main(["inspect", str(out)]) == 0
+    assert main(["inspect", str(out), "--engine", "sglang<=0.5.10"]) == 1
 
 
 def test_tied_embeddings_are_reported(tmp_path):
@@ -44,4 +51,27 @@ def test_tied_embeddings_are_reported(tmp_path):
     assert report.problems == [
         "tie_word_embeddings is True, expected false: the engine would tie the draft's lm_head to the "
         "embedding and discard the trained head; re-export"
+    ]
+
+
+def test_report_lists_keys_config_and_engines(tmp_path, capsys):
+    out = export_sglang(write_checkpoint(tmp_path / "step-00000010"), tmp_path / "export")
+    assert main(["inspect", str(out), "--engine", "sglang<=0.5.10"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == f"{out}: format sglang, 15 tensors"
+    assert "  config.draft_vocab_size = 512" in text
+    assert (
+        '  config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": true}' in text
+    )
+    assert "  loads completely in sglang<=0.5.10: yes" in text
+    assert "  loads completely in speculators>=0.9: NO" in text
+
+
+def test_an_eyas_checkpoint_without_arch_fields_is_a_problem(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "step-00000010")
+    meta = json.loads((ckpt / "arch.json").read_text())
+    del meta["arch"]["head_dim"]
+    (ckpt / "arch.json").write_text(json.dumps(meta))
+    assert inspect_drafter(ckpt).problems == [
+        f"{ckpt}/arch.json: arch lacks ['head_dim']; expected every DraftArch field: re-save it from training"
     ]

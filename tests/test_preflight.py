@@ -68,3 +68,18 @@ def test_a_reused_pid_is_not_taken_for_the_recorded_process(tmp_path):
         assert proc.poll() is None  # an unrelated process is never signalled
     finally:
         proc.kill()
+
+
+def test_eyas_stop_stops_the_recorded_launcher(tmp_path, capsys):
+    from eyas_cli.main import main
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        record_launch(tmp_path, proc.pid, ["torchrun", "-m", "eyas.train"])
+        assert main(["stop", str(tmp_path)]) == 0
+        assert capsys.readouterr().out.strip() == f"stopped [{proc.pid}]"
+        assert proc.wait(timeout=15) != 0
+        assert main(["stop", str(tmp_path)]) == 0
+        assert "no process recorded" in capsys.readouterr().out
+    finally:
+        proc.kill()

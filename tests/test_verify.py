@@ -13,10 +13,11 @@ import pytest
 
 from eyas.config import ExtractConfig
 from eyas.extract import extract_hidden_states
-from eyas.shards import load_shard, quarantine_shards, read_manifest, shard_filename, write_manifest, write_shard
+from eyas.shards import load_shard, read_manifest, shard_filename, write_manifest, write_shard
 from eyas.verify import (
     ShardVerificationError,
     expected_shard_meta,
+    quarantine_bad_shards,
     raise_if_bad,
     verify_shards,
     write_verify_report,
@@ -69,9 +70,9 @@ def shards(tmp_path, extracted):
     return tmp_path / "shards"
 
 
-def _verify(shards_dir, extracted, mode="full", expected=None):
+def _verify(shards_dir, extracted, mode="full", expected=None, **kwargs):
     return verify_shards(
-        shards_dir=shards_dir, tokenized_path=extracted[0], expected=expected or extracted[2], mode=mode
+        shards_dir=shards_dir, tokenized_path=extracted[0], expected=expected or extracted[2], mode=mode, **kwargs
     )
 
 
@@ -98,11 +99,13 @@ def test_good_shards_pass_both_modes(shards, extracted):
         assert summary["tokens"] == sum(r.num_tokens for r in read_manifest(shards))
     assert report.rows[0].checks_passed == [
         "listed",
-        "sha256",
         "header",
+        "identity",
+        "size",
         "metadata",
         "layout",
         "offsets",
+        "sha256",
         "finite",
         "dataset",
     ]
@@ -133,6 +136,92 @@ def test_nan_values_are_flagged(shards, extracted):
     )
 
 
+def test_inf_values_are_flagged(shards, extracted):
+    def put_inf(tensors, meta):
+        tensors["last_hidden_states"][-1, 0] = -math.inf
+        return tensors, meta
+
+    _rewrite(shards, 1, put_inf)
+    row = read_manifest(shards)[1]
+    reason = _bad_reasons(_verify(shards, extracted))["shard-00001.safetensors"]
+    assert reason.startswith(
+        f"shard-00001.safetensors: last_hidden_states has non-finite values (first at token "
+        f"{row.num_tokens - 1}, sample {row.sample_end - 1}); the target produced NaN/inf"
+    )
+
+
+def test_non_finite_value_is_found_with_chunks_smaller_than_a_token(shards, extracted):
+    def put_nan(tensors, meta):
+        tensors["aux_hidden_states"][7, 150] = math.nan
+        return tensors, meta
+
+    _rewrite(shards, 0, put_nan)
+    report = _verify(shards, extracted, chunk_bytes=4096, num_workers=1)
+    assert report.bad_files == ["shard-00000.safetensors"]
+    assert "aux_hidden_states has non-finite values (first at token 7, sample 0)" in report.rows[0].reason
+
+
+def test_wrong_dtype_is_flagged(shards, extracted):
+    def half(tensors, meta):
+        tensors["aux_hidden_states"] = tensors["aux_hidden_states"].half()
+        return tensors, meta
+
+    _rewrite(shards, 0, half)
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
+    assert reason == (
+        "shard-00000.safetensors: aux_hidden_states dtype F16, expected F32 (metadata dtype float32); "
+        "quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"
+    )
+
+
+def test_swapped_shards_are_flagged(shards, extracted):
+    a, b = shards / shard_filename(0), shards / shard_filename(1)
+    a.rename(shards / "tmp")
+    b.rename(a)
+    (shards / "tmp").rename(b)
+    rows = read_manifest(shards)
+    reasons = _bad_reasons(_verify(shards, extracted, "cheap"))
+    assert list(reasons) == [a.name, b.name]
+    assert reasons[a.name].startswith(
+        f"shard-00000.safetensors: the file holds shard 1 (samples {rows[1].sample_start}..{rows[1].sample_end}), "
+        f"but its name and the manifest say shard 0 (samples 0..{rows[0].sample_end}): files swapped or renamed"
+    )
+
+
+def test_offsets_that_do_not_add_up_are_flagged(shards, extracted):
+    def move_boundary(tensors, meta):
+        tensors["sample_offsets"][1] += 1
+        return tensors, meta
+
+    _rewrite(shards, 0, move_boundary)
+    lengths = [len(s) for s in pq.read_table(extracted[0]).column("input_ids").to_pylist()]
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
+    assert reason.startswith(
+        f"shard-00000.safetensors: sample_offsets do not add up: sample 0 spans {lengths[0] + 1} tokens, "
+        f"the tokenized dataset has {lengths[0]}"
+    )
+
+
+def test_offsets_beyond_the_token_count_are_flagged(shards, extracted):
+    def overrun(tensors, meta):
+        tensors["sample_offsets"][-1] += 3
+        return tensors, meta
+
+    _rewrite(shards, 0, overrun)
+    reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
+    assert "do not add up: expected strictly increasing from 0 to the shard's" in reason
+
+
+def test_loss_mask_differing_from_dataset_is_flagged(shards, extracted):
+    def flip_mask(tensors, meta):
+        tensors["loss_mask"][0] = 1 - tensors["loss_mask"][0]
+        return tensors, meta
+
+    _rewrite(shards, 1, flip_mask)
+    reason = _bad_reasons(_verify(shards, extracted))["shard-00001.safetensors"]
+    assert "loss_mask differs from the tokenized dataset at token 0" in reason
+
+
 def test_wrong_width_is_flagged(shards, extracted):
     def one_layer(tensors, meta):
         tensors["aux_hidden_states"] = tensors["aux_hidden_states"][:, :64]
@@ -155,6 +244,14 @@ def test_other_target_is_flagged(shards, extracted):
     assert len(reasons) == len(read_manifest(shards))
     assert "target_fingerprint '" in reasons["shard-00000.safetensors"]
     assert "expected '0123456789abcdef'" in reasons["shard-00000.safetensors"]
+
+
+def test_quarantine_refuses_when_every_shard_disagrees_with_the_config(shards, extracted):
+    expected = replace(extracted[2], aux_layer_ids=(1, 2, 3))
+    report = _verify(shards, extracted, "cheap", expected=expected)
+    with pytest.raises(ShardVerificationError, match=r"metadata disagree with the run config .* not quarantining"):
+        quarantine_bad_shards(shards, report)
+    assert len(read_manifest(shards)) == len(report.rows)
 
 
 def test_missing_shard_file_is_flagged(shards, extracted):
@@ -237,7 +334,7 @@ def test_report_is_written_as_parquet(shards, extracted, tmp_path):
     ]
     rows = table.to_pylist()
     assert [(r["shard"], r["status"]) for r in rows][:2] == [(0, "bad"), (1, "ok")]
-    assert rows[1]["checks_passed"] == ["listed", "header", "metadata", "layout", "offsets"]
+    assert rows[1]["checks_passed"] == ["listed", "header", "identity", "size", "metadata", "layout", "offsets"]
     assert table.schema.metadata[b"eyas.verify.mode"] == b"cheap"
 
 
@@ -258,8 +355,9 @@ def test_quarantined_shards_are_reextracted_and_pass(shards, extracted, random_t
     _rewrite(shards, 1, put_nan)
     report = _verify(shards, extracted)
     assert report.bad_files == ["shard-00001.safetensors"]
-    moved = quarantine_shards(shards, report.bad_files)
-    assert [p.name.split(".safetensors")[0] for p in moved] == ["shard-00001"]
+    notes = quarantine_bad_shards(shards, report)
+    assert [p.name.split(".safetensors")[0] for p in notes] == ["shard-00001"]
+    assert "last_hidden_states has non-finite values (first at token 0" in notes[0].read_text()
     summary = extract_hidden_states(
         tokenized_path=extracted[0],
         shards_dir=shards,

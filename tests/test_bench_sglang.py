@@ -1,0 +1,180 @@
+"""SGLang mode: launch command and its lint, and the client against a double of the server.
+
+The double (tests/sglang_double.py) speaks SGLang's documented protocol: GET /health, POST /generate
+with meta_info.completion_tokens and, only with speculation, meta_info.spec_verify_ct.
+The real run is `test_real_sglang_eagle3_run` behind the `gpu` marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from eyas.bench_sglang import (
+    LaunchFlagError,
+    SglangLaunch,
+    SglangServerError,
+    build_launch_command,
+    check_launch_command,
+    lint_launch_command,
+    run_sglang_benchmark,
+    sglang_tau,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_EXPORT = REPO / "runs" / "demo" / "export" / "sglang"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def export(tmp_path) -> Path:
+    """An SGLang draft directory: config.json as export_sglang writes it and an (empty) weights file."""
+    out = tmp_path / "draft"
+    out.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": 512,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "model.safetensors").write_bytes(b"")
+    return out
+
+
+def launch_for(export: Path, **kw) -> SglangLaunch:
+    return SglangLaunch(target_path="target", draft_path=str(export), python="python", **kw)
+
+
+def test_launch_command_is_eagle3_with_all_three_shape_flags(export):
+    argv = build_launch_command(launch_for(export, steps=3, topk=1, num_draft_tokens=4, port=31000))
+    assert argv == [
+        "python", "-m", "sglang.launch_server", "--model-path", "target", "--host", "127.0.0.1", "--port", "31000",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+    ]  # fmt: skip
+    assert lint_launch_command(argv, shard_aux_layer_ids=[2, 4, 5]) == []
+    assert build_launch_command(launch_for(export).baseline())[3:] == ["--model-path", "target", "--host",
+                                                                      "127.0.0.1", "--port", "30000"]  # fmt: skip
+
+
+def test_lint_refuses_eagle_instead_of_eagle3(export):
+    argv = build_launch_command(launch_for(export))
+    argv[argv.index("EAGLE3")] = "EAGLE"
+    [problem] = lint_launch_command(argv)
+    assert problem.startswith("launch flags: --speculative-algorithm EAGLE, expected EAGLE3; with EAGLE an EAGLE-3")
+
+
+def test_lint_wants_steps_topk_and_draft_tokens_all_or_none(export):
+    argv = build_launch_command(launch_for(export))
+    i = argv.index("--speculative-eagle-topk")
+    del argv[i : i + 2]
+    [problem] = lint_launch_command(argv)
+    assert "--speculative-num-steps, --speculative-num-draft-tokens given without --speculative-eagle-topk" in problem
+
+
+def test_lint_refuses_a_chain_whose_draft_tokens_are_not_steps_plus_one(export):
+    [problem] = lint_launch_command(build_launch_command(launch_for(export, num_draft_tokens=6)))
+    assert "--speculative-eagle-topk 1 with --speculative-num-draft-tokens 6, expected steps + 1 = 4" in problem
+
+
+def test_lint_checks_the_draft_config_against_the_shards(export):
+    config = json.loads((export / "config.json").read_text())
+    del config["draft_vocab_size"]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (export / "config.json").write_text(json.dumps(config))
+    argv = build_launch_command(launch_for(export)) + ["--pp-size", "2"]
+    with pytest.raises(LaunchFlagError) as err:
+        check_launch_command(argv, shard_aux_layer_ids=[2, 4, 5])
+    message = str(err.value)
+    assert "no draft_vocab_size; SGLang then replaces the trained lm_head" in message
+    assert "captures hidden_states [3, 5, 6], but the shards were extracted at [2, 4, 5]" in message
+    assert "pipeline parallel size 2, expected 1" in message
+
+
+def test_lint_refuses_a_missing_draft_directory(tmp_path):
+    [problem] = lint_launch_command(build_launch_command(launch_for(tmp_path / "nowhere")))
+    assert "no config.json or model.safetensors there" in problem
+
+
+def test_tau_needs_spec_verify_ct_in_every_answer():
+    answers = [{"meta_info": {"completion_tokens": 10, "spec_verify_ct": 4}}, {"meta_info": {"completion_tokens": 6}}]
+    with pytest.raises(SglangServerError, match=r"1 answer\(s\) without meta_info.spec_verify_ct \(first: request 1\)"):
+        sglang_tau(answers, where="server")
+    assert sglang_tau(answers[:1] * 2, where="server") == (2.5, [2.5, 2.5])
+
+
+def double_launch(export: Path) -> SglangLaunch:
+    return SglangLaunch(
+        target_path="target",
+        draft_path=str(export),
+        port=free_port(),
+        module="tests.sglang_double",
+        python=sys.executable,
+    )
+
+
+def test_benchmark_against_the_protocol_double(export, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH", "2.5")
+    monkeypatch.chdir(REPO)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    result = run_sglang_benchmark(
+        double_launch(export),
+        prompts,
+        max_new_tokens=20,
+        concurrency=3,
+        shard_aux_layer_ids=[2, 4, 5],
+        log_dir=tmp_path,
+    )
+    assert result["engine"] == "sglang" and result["tau_mean"] == 20 / 8 and result["tau_per_prompt"] == [2.5] * 3
+    assert result["num_verify_steps"] == 24 and result["num_outputs_equal_to_greedy"] == 3
+    assert result["launch_command"][3:5] == ["--model-path", "target"] and "EAGLE3" in result["launch_command"]
+    assert "--speculative-algorithm" not in result["baseline_command"]
+    assert result["speedup_vs_greedy"] > 0
+    assert (tmp_path / "sglang-eagle3.log").is_file() and (tmp_path / "sglang-baseline.log").is_file()
+
+
+def test_a_server_that_dies_at_startup_is_reported_with_its_log(export, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("EYAS_SGLANG_DOUBLE_EXIT", "1")
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SglangServerError, match=r"exited with code 1 before GET /health answered 200") as err:
+        run_sglang_benchmark(double_launch(export), [[1, 2]], max_new_tokens=4, log_dir=tmp_path, startup_timeout_s=60)
+    assert "double told to fail at start-up" in str(err.value)
+
+
+def test_a_launch_with_bad_flags_never_starts_a_server(export, tmp_path):
+    launch = launch_for(export, num_draft_tokens=9)
+    with pytest.raises(LaunchFlagError, match=r"expected steps \+ 1 = 4"):
+        run_sglang_benchmark(launch, [[1, 2]], max_new_tokens=4, log_dir=tmp_path)
+    assert not (tmp_path / "sglang-eagle3.log").exists()
+
+
+@pytest.mark.gpu
+def test_real_sglang_eagle3_run(tmp_path):
+    """The demo's exported draft on the tiny target, served by a real SGLang (GPU, sglang installed)."""
+    pytest.importorskip("sglang")
+    if not DEMO_EXPORT.is_dir():
+        pytest.skip(f"{DEMO_EXPORT} missing: run `make demo` first")
+    draft = tmp_path / "draft"
+    shutil.copytree(DEMO_EXPORT, draft)
+    launch = SglangLaunch(
+        target_path=str(REPO / "fixtures" / "tiny-target"), draft_path=str(draft), port=free_port(),
+        extra_args=("--mem-fraction-static", "0.3", "--disable-cuda-graph"),
+    )  # fmt: skip
+    prompts = [[1 + (7 * i + j) % 2000 for j in range(16)] for i in range(8)]
+    result = run_sglang_benchmark(launch, prompts, max_new_tokens=32, concurrency=8, log_dir=tmp_path)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("tau_per_prompt",)}))
+    assert 1.0 <= result["tau_mean"] <= launch.steps + 1

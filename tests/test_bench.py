@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from draft_fixtures import ARCH, AUX_IDS
 from safetensors.torch import save_file
 
 from eyas.bench import (
@@ -24,21 +25,10 @@ from eyas.bench import (
     run_benchmark,
     write_benchmark_json,
 )
-from eyas.draft import DraftArch, build_draft
+from eyas.draft import build_draft
 from eyas.export import export_sglang
 from eyas.target import embed_weight, target_fingerprint
 
-ARCH = DraftArch(
-    hidden_size=64,
-    num_aux=3,
-    target_vocab_size=2048,
-    draft_vocab_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-)
-AUX_IDS = [2, 4, 5]
 PROMPTS = [[(37 * i + 11 * j) % 2047 + 1 for j in range(6 + 3 * i)] for i in range(3)]
 
 

@@ -7,24 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from draft_fixtures import ARCH, AUX_IDS
 from safetensors.torch import load_file, save_file
 
 from eyas.draft import DraftArch, build_draft
 from eyas.export import ExportError, export_sglang, load_exported_draft, read_checkpoint, read_export_provenance
 from eyas.formats import KeyCheckError, expected_sglang_shapes
 from eyas.vocab import VocabMappingError
-
-ARCH = DraftArch(
-    hidden_size=64,
-    num_aux=3,
-    target_vocab_size=2048,
-    draft_vocab_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-)
-AUX_IDS = [2, 4, 5]
 
 
 def vocab_mapping(arch: DraftArch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from draft_fixtures import ARCH
 
-from eyas.draft import DraftArch, Eagle3Draft
+from eyas.draft import Eagle3Draft
 from eyas.formats import (
     ENGINE_LOADS,
     FORMATS,
@@ -19,17 +20,6 @@ from eyas.formats import (
     invert_key_map,
     remap_keys,
     to_engine_layer_ids,
-)
-
-ARCH = DraftArch(
-    hidden_size=64,
-    num_aux=3,
-    target_vocab_size=2048,
-    draft_vocab_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
 )
 
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
 
 from eyas.config import RunConfig, TrainJob
+from eyas.extract import target_dims
 from eyas.fsio import atomic_write_text
 from eyas.target import resolve_aux_layer_ids
 
 
-def target_config(model_path: str | Path) -> dict:
-    """The target's config.json (read without transformers)."""
-    return json.loads((Path(model_path) / "config.json").read_text())
-
-
 def target_num_layers(model_path: str | Path) -> int:
-    return int(target_config(model_path)["num_hidden_layers"])
+    return target_dims(model_path)[0]
 
 
 def aux_layer_ids(config: RunConfig) -> list[int]:

@@ -7,9 +7,9 @@ import random
 import shutil
 from dataclasses import replace
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_extract import write_tokenized
 
 from eyas.config import ExtractConfig
 from eyas.extract import extract_hidden_states
@@ -24,23 +24,6 @@ from eyas.verify import (
 )
 
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=4)  # ~63 tokens of H=64 float32 per shard
-
-
-def write_tokenized(path, samples, *, dataset_hash="d5e7"):
-    n = len(samples)
-    table = pa.table(
-        {
-            "sample_index": pa.array(range(n), pa.int64()),
-            "id": pa.array([f"s{i}" for i in range(n)]),
-            "input_ids": pa.array(samples, pa.list_(pa.int32())),
-            "loss_mask": pa.array(
-                [[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())
-            ),
-            "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
-        }
-    ).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
-    pq.write_table(table, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -109,3 +109,40 @@ def prefect_server(tmp_path_factory):
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3 API server (moto's server mode) on a free loopback port; credentials in the environment."""
+    import os
+
+    from s3_server import CREDENTIALS, start_s3_server
+
+    os.environ.update(CREDENTIALS)
+    proc, url = start_s3_server(tmp_path_factory.mktemp("s3") / "server.log")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request):
+    """A fresh bucket on the test S3 server; its name is derived from the test's name."""
+    import re
+    import uuid
+
+    import boto3
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def fault_proxy(s3_endpoint):
+    """A FaultProxy in front of the test S3 server (add `Fault`s to `proxy.faults`)."""
+    from s3_server import FaultProxy
+
+    proxy = FaultProxy(s3_endpoint)
+    yield proxy
+    proxy.close()

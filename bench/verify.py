@@ -33,7 +33,8 @@ from safetensors.torch import save as safetensors_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas.shards import ManifestRow, ShardMeta, shard_filename, write_manifest, write_shard  # noqa: E402
+from eyas.manifest import ManifestRow, write_manifest  # noqa: E402
+from eyas.shards import ShardMeta, shard_filename, write_shard  # noqa: E402
 from eyas.verify import ExpectedShardMeta, verify_shards  # noqa: E402
 
 TOKENS_PER_SAMPLE = 256

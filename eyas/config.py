@@ -43,11 +43,80 @@ class DatasetConfig(StrictModel):
     generate_batch_size: int = Field(default=16, ge=1, description="prompts per generation batch")
 
 
+class SGLangExtractConfig(StrictModel):
+    """An SGLang server in aux-capture mode (GPU only); see eyas.extract_sglang for the exact command."""
+
+    server_url: str = Field(
+        default="", description="an SGLang server already running in aux-capture mode; empty = launch one"
+    )
+    port: int = Field(default=30000, ge=1, le=65535, description="port of the launched server")
+    tp_size: int = Field(default=1, ge=1, description="--tp-size of the launched server")
+    mem_fraction_static: float = Field(default=0.8, gt=0, le=1, description="--mem-fraction-static")
+    startup_timeout_s: int = Field(default=1800, ge=10, description="wait this long for GET /health")
+    request_timeout_s: int = Field(default=600, ge=1, description="per /generate request")
+    extra_args: list[str] = Field(default_factory=list, description="more launch_server flags")
+
+    @model_validator(mode="after")
+    def _server_url_or_launch(self) -> "SGLangExtractConfig":
+        if self.server_url and not self.server_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"extract.sglang.server_url={self.server_url!r}: expected empty (launch a server) or http://HOST:PORT"
+            )
+        launch_only = ("port", "tp_size", "mem_fraction_static", "startup_timeout_s", "extra_args")
+        fields = type(self).model_fields
+        unused = [
+            name
+            for name in launch_only
+            if self.server_url and getattr(self, name) != fields[name].get_default(call_default_factory=True)
+        ]
+        if unused:
+            raise ValueError(
+                f"extract.sglang.server_url={self.server_url!r} connects to a running server, so "
+                f"{', '.join(f'extract.sglang.{n}' for n in unused)} would do nothing (they configure a launched "
+                "server); remove them, or clear server_url to let eyas launch the server"
+            )
+        return self
+
+
 class ExtractConfig(StrictModel):
-    backend: Literal["hf"] = Field(default="hf", description="hidden-state backend")
+    backend: Literal["hf", "sglang"] = Field(default="hf", description="hidden-state backend")
     shard_bytes: int = Field(default=1 << 30, ge=1 << 16, description="target size of one shard file")
     batch_size: int = Field(default=8, ge=1, description="samples per forward pass")
     dtype: DType = Field(default="float32", description="dtype of stored hidden states")
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu", description="hf backend: cpu, or cuda (worker k uses GPU k modulo the GPUs present)"
+    )
+    num_workers: int = Field(default=1, ge=1, description="workers extracting disjoint shards concurrently")
+    fanout: Literal["local", "deployment"] = Field(
+        default="local",
+        description="local: workers are concurrent tasks of this flow run; deployment: one flow run per worker "
+        "of `worker_deployment` (e.g. one per GPU node of a work pool)",
+    )
+    worker_deployment: str = Field(
+        default="", description="'extract-worker/DEPLOYMENT' that fanout=deployment runs once per worker"
+    )
+    storage_url: str = Field(
+        default="",
+        description="where shards are written: empty = the run's shards dir; s3://bucket/prefix = S3 (the run's "
+        "shards dir then holds a verified local copy for verification and training)",
+    )
+    s3_endpoint_url: str = Field(
+        default="", description="S3 API endpoint (MinIO, a local server); empty = AWS or $AWS_ENDPOINT_URL"
+    )
+    sglang: SGLangExtractConfig = SGLangExtractConfig()
+
+    @model_validator(mode="after")
+    def _fanout_has_deployment(self) -> "ExtractConfig":
+        if self.fanout == "deployment" and not self.worker_deployment:
+            raise ValueError(
+                "extract.fanout='deployment' needs extract.worker_deployment ('extract-worker/NAME'); "
+                "set it, or use fanout='local'"
+            )
+        if self.storage_url and not self.storage_url.startswith("s3://"):
+            raise ValueError(
+                f"extract.storage_url={self.storage_url!r}: expected empty (the run's shards dir) or s3://bucket/prefix"
+            )
+        return self
 
 
 class VerifyConfig(StrictModel):

@@ -1,52 +1,51 @@
-"""Extraction of the target's hidden states into shards (the `hf` backend), resumable.
+"""Extraction of the target's hidden states into shards: plan, resume, fan-out to workers, finish.
 
     from eyas.extract import extract_hidden_states
-    summary = extract_hidden_states(tokenized_path=..., shards_dir=..., target_path=...,
-                                    aux_layer_ids=None, extract_cfg=ExtractConfig())
+    summary = extract_hidden_states(tokenized_path=..., shards_dir="runs/x/shards" or "s3://b/p",
+                                    target_path=..., aux_layer_ids=None, extract_cfg=ExtractConfig())
+
+    python -m eyas.extract --tokenized T.parquet --shards DIR --target MODEL [--num-workers 2]
 
 Per token it stores the aux hidden states of `n_aux` layers concatenated (width n_aux * H) and the
 last hidden state (width H). The shard plan depends only on the dataset and `shard_bytes`, never on
-batch size, device or worker count, so a crashed run resumes anywhere: finished shards (manifest
-rows) are skipped, stray temporaries deleted, shard files without a manifest row (a crash between
-rename and manifest write) rewritten. `extract.json` records the run's parameters; a resume with
-different ones is refused. One extraction writes into a directory at a time (`.extract.lock`).
+batch size, device or worker count, so a crashed run resumes anywhere: `prepare_extraction` reads
+the manifest, deletes what interrupted writes left, and lists the missing shards; `assign_shards`
+splits them into disjoint lists, one per worker (eyas.extract_worker); `finish_extraction` compacts
+the manifest and checks that every planned shard has exactly one row. `extract.json` records the
+run's parameters; a resume with different ones is refused. One coordinator per local directory at a
+time (`.extract.lock`); the workers it starts may be threads here or flow runs elsewhere.
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
+import threading
 import time
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from eyas.config import ExtractConfig
-from eyas.fsio import atomic_write_bytes
+from eyas.extract_worker import assign_shards, extract_worker
+from eyas.manifest import compact_manifest, done_shard_indices, read_manifest
 from eyas.shards import (
     FORMAT_VERSION,
     ShardMeta,
     ShardPlan,
     TokenizedDataset,
-    append_manifest_row,
     bytes_per_token,
     plan_shards,
-    read_manifest,
-    remove_stray_temporaries,
     shard_filename,
-    write_shard,
 )
+from eyas.storage import Storage, open_storage
 from eyas.target import (
     LAYER_ID_CONVENTION,
-    Target,
-    load_target,
     resolve_aux_layer_ids,
-    target_features,
     target_fingerprint,
-    torch_dtype,
 )
 
 RUN_META_NAME = "extract.json"
@@ -55,10 +54,6 @@ LOCK_NAME = ".extract.lock"
 
 class ExtractConfigMismatchError(ValueError):
     """The shards directory holds an extraction made with other parameters."""
-
-
-class AuxWidthError(ValueError):
-    """The backend returned hidden states of the wrong width."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +101,7 @@ class ExtractSummary:
     seconds: float
     aux_layer_ids: list[int]
     hidden_size: int
+    num_workers: int
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,38 +118,22 @@ def target_dims(target_path: str | Path) -> tuple[int, int]:
     return int(cfg.num_hidden_layers), int(cfg.hidden_size)
 
 
-def check_aux_width(aux_width: int, *, num_aux: int, hidden_size: int, source: str) -> None:
-    """Fail when the aux states are not n_aux * H wide (an H-wide input silently bypasses the draft's fc)."""
-    expected = num_aux * hidden_size
-    if aux_width == expected:
-        return
-    hint = "it is H: the backend returned one layer's states, not the aux layers'; " if aux_width == hidden_size else ""
-    raise AuxWidthError(
-        f"{source}: aux_hidden_states width {aux_width}, expected {expected} ({num_aux} layers x {hidden_size}); "
-        f"{hint}known causes: (1) aux hidden-state capture is not enabled (SGLang needs "
-        f"--enable-return-aux-hidden-states and eagle_config.use_aux_hidden_state not false); "
-        f"(2) SGLang runs --speculative-algorithm EAGLE instead of EAGLE3, which returns last-layer states only; "
-        f"(3) a wrapper model (multimodal, pipeline stage pp > 1) whose capture hook does not reach the decoder "
-        f"layers. Fix the backend and re-run extraction."
-    )
-
-
-def check_run_meta(shards_dir: Path, current: ExtractRunMeta) -> None:
-    """Write `extract.json` for a fresh directory, or refuse to resume with different parameters."""
-    path = Path(shards_dir) / RUN_META_NAME
-    if not path.exists():
-        if read_manifest(shards_dir):
+def check_run_meta(store: Storage, current: ExtractRunMeta) -> None:
+    """Write `extract.json` for a fresh shard set, or refuse to resume with different parameters."""
+    where = f"{store.url}/{RUN_META_NAME}"
+    if not store.exists(RUN_META_NAME):
+        if read_manifest(store):
             raise ExtractConfigMismatchError(
-                f"{shards_dir}: manifest has rows but {RUN_META_NAME} is missing, so the shards' parameters are "
-                f"unknown; move the directory aside and extract again"
+                f"{store.url}: manifest has rows but {RUN_META_NAME} is missing, so the shards' parameters are "
+                f"unknown; move the shards aside and extract again"
             )
-        atomic_write_bytes(path, json.dumps(asdict(current), indent=1, sort_keys=True).encode())
+        store.put_bytes(RUN_META_NAME, json.dumps(asdict(current), indent=1, sort_keys=True).encode())
         return
     try:
-        recorded = json.loads(path.read_text())
+        recorded = json.loads(store.get_bytes(RUN_META_NAME))
     except json.JSONDecodeError as e:
         raise ExtractConfigMismatchError(
-            f"{path}: not valid JSON ({e}); the run's parameters are unknown; move {shards_dir} aside and extract again"
+            f"{where}: not valid JSON ({e}); the run's parameters are unknown; move {store.url} aside and extract again"
         ) from e
     wanted = asdict(current)
     diffs = [
@@ -163,80 +143,31 @@ def check_run_meta(shards_dir: Path, current: ExtractRunMeta) -> None:
     ]
     if diffs:
         raise ExtractConfigMismatchError(
-            f"{path}: the shards there were extracted with other parameters: {'; '.join(diffs)}. "
-            f"Resuming would mix shards; use a new shards_dir, or move {shards_dir} aside to start over"
+            f"{where}: the shards there were extracted with other parameters: {'; '.join(diffs)}. "
+            f"Resuming would mix shards; use a new shards_dir, or move {store.url} aside to start over"
         )
 
 
-def _check_manifest_against_plan(shards_dir: Path, plan: list[ShardPlan]) -> set[int]:
+def check_manifest_against_plan(store: Storage, plan: list[ShardPlan], listing: dict[str, int]) -> set[int]:
     """Indices of finished shards; refuses rows that disagree with the plan or whose file is gone."""
     done = set()
-    for row in read_manifest(shards_dir):
+    for row in read_manifest(store):
         p = plan[row.shard_index] if row.shard_index < len(plan) else None
         found = (row.sample_start, row.sample_end, row.num_tokens)
         if p is None or (p.sample_start, p.sample_end, p.num_tokens) != found:
             raise ExtractConfigMismatchError(
-                f"{shards_dir}: manifest row of shard {row.shard_index:05d} (samples {row.sample_start}.."
+                f"{store.url}: manifest row of shard {row.shard_index:05d} (samples {row.sample_start}.."
                 f"{row.sample_end}, {row.num_tokens} tokens) disagrees with the plan ({p}); "
-                f"move the directory aside and extract again"
+                f"move the shards aside and extract again"
             )
-        file = Path(shards_dir) / row.file
-        if not file.is_file() or file.stat().st_size != row.num_bytes:
+        if listing.get(row.file) != row.num_bytes:
             raise FileNotFoundError(
-                f"{file}: listed in the manifest ({row.num_bytes} bytes) but missing or of another size on disk; "
-                f"run verification, which quarantines it (eyas.shards.quarantine_shards), then extract again"
+                f"{store.url}/{row.file}: listed in the manifest ({row.num_bytes} bytes) but "
+                f"{'missing' if row.file not in listing else f'{listing[row.file]} bytes'} in storage; run "
+                f"verification, which quarantines it (eyas.manifest.quarantine_shards), then extract again"
             )
         done.add(row.shard_index)
     return done
-
-
-def _features(target: Target, samples: list[torch.Tensor], aux_layer_ids: list[int], device: str):
-    """Per sample (aux [t, n_aux*H], last [t, H]), from one right-padded forward pass."""
-    lengths = [len(s) for s in samples]
-    ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    attention_mask = None if len(samples) == 1 else mask.to(device)
-    aux, last, _ = target_features(target.model, ids.to(device), aux_layer_ids, attention_mask=attention_mask)
-    return [(aux[i, :n], last[i, :n]) for i, n in enumerate(lengths)]
-
-
-def _extract_shard(
-    target: Target,
-    dataset: TokenizedDataset,
-    plan: ShardPlan,
-    aux_layer_ids: list[int],
-    *,
-    extract_cfg: ExtractConfig,
-    device: str,
-) -> dict[str, torch.Tensor]:
-    input_ids, loss_mask = dataset.tokens(plan.sample_start, plan.sample_end)
-    lengths = torch.tensor(dataset.num_tokens[plan.sample_start : plan.sample_end], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    hidden, dtype = target.hidden_size, torch_dtype(extract_cfg.dtype)
-    aux_out = torch.empty(plan.num_tokens, len(aux_layer_ids) * hidden, dtype=dtype)
-    last_out = torch.empty(plan.num_tokens, hidden, dtype=dtype)
-    num_samples = plan.sample_end - plan.sample_start
-    for b in range(0, num_samples, extract_cfg.batch_size):
-        idx = range(b, min(b + extract_cfg.batch_size, num_samples))
-        samples = [input_ids[offsets[i] : offsets[i + 1]] for i in idx]
-        for i, (aux, last) in zip(idx, _features(target, samples, aux_layer_ids, device)):
-            source = f"shard {plan.index:05d} sample {plan.sample_start + i}"
-            check_aux_width(aux.shape[-1], num_aux=len(aux_layer_ids), hidden_size=hidden, source=source)
-            if last.shape[-1] != hidden:
-                raise AuxWidthError(f"{source}: last_hidden_states width {last.shape[-1]}, expected H={hidden}")
-            aux_out[offsets[i] : offsets[i + 1]] = aux.to(dtype).cpu()
-            last_out[offsets[i] : offsets[i + 1]] = last.to(dtype).cpu()
-    return {
-        "input_ids": input_ids,
-        "loss_mask": loss_mask,
-        "aux_hidden_states": aux_out,
-        "last_hidden_states": last_out,
-        "sample_offsets": offsets,
-        "sample_indices": torch.arange(plan.sample_start, plan.sample_end, dtype=torch.int64),
-    }
 
 
 def describe_extraction(
@@ -269,48 +200,29 @@ def describe_extraction(
     return run, plan
 
 
-@contextmanager
-def _exclusive(shards_dir: Path):
-    """One extraction per directory at a time (the kernel drops the lock if the process dies)."""
-    with open(shards_dir / LOCK_NAME, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            raise RuntimeError(
-                f"shards dir {shards_dir}: another extraction holds {LOCK_NAME}; wait for it to finish or stop it "
-                f"(two writers would delete each other's temporaries and race on the manifest)"
-            ) from e
-        yield
+@dataclass
+class ResumePlan:
+    """What a coordinator found and decided before any worker starts."""
+
+    run: ExtractRunMeta
+    plan: list[ShardPlan]
+    done: set[int]
+    todo: list[int]
+    strays_removed: int
+    unlisted: int  # shard objects without a manifest row (a crash between write and row): rewritten
 
 
-def _load_target_for(run: ExtractRunMeta, target_path: str | Path, device: str) -> Target:
-    target = load_target(target_path, run.target_dtype)
-    if target.hidden_size != run.hidden_size:
-        raise ValueError(
-            f"target {target_path}: loaded model has H={target.hidden_size}, config.json says "
-            f"{run.hidden_size}; the model directory changed during the run"
-        )
-    target.model.to(device)
-    return target
-
-
-def extract_hidden_states(
+def prepare_extraction(
     *,
-    tokenized_path: str | Path,
-    shards_dir: str | Path,
+    store: Storage,
+    dataset: TokenizedDataset,
     target_path: str | Path,
     aux_layer_ids: list[int] | None,
     extract_cfg: ExtractConfig,
     target_dtype: str = "float32",
-    device: str = "cpu",
-    progress: Callable[[dict], None] | None = None,
-) -> ExtractSummary:
-    """Extract every shard of the plan that the manifest does not list yet; return what was done.
-    The target is loaded only when some shard is missing."""
-    t0 = time.perf_counter()
-    shards_dir = Path(shards_dir)
-    shards_dir.mkdir(parents=True, exist_ok=True)
-    dataset = TokenizedDataset(Path(tokenized_path))
+) -> ResumePlan:
+    """Check or record the run's parameters, delete leftovers of interrupted writes, fold row files into
+    the manifest, and list the shards still to extract."""
     run, plan = describe_extraction(
         dataset=dataset,
         target_path=target_path,
@@ -318,57 +230,180 @@ def extract_hidden_states(
         extract_cfg=extract_cfg,
         target_dtype=target_dtype,
     )
-    with _exclusive(shards_dir):
-        check_run_meta(shards_dir, run)
-        strays = remove_stray_temporaries(shards_dir)
-        done = _check_manifest_against_plan(shards_dir, plan)
-        todo = [p for p in plan if p.index not in done]
-        summary = ExtractSummary(
-            shards_total=len(plan),
-            shards_written=0,
-            shards_skipped=len(done),
-            unlisted_rewritten=sum((shards_dir / shard_filename(p.index)).exists() for p in todo),
-            strays_removed=len(strays),
-            samples_total=len(dataset),
-            tokens_written=0,
-            seconds=0.0,
-            aux_layer_ids=run.aux_layer_ids,
-            hidden_size=run.hidden_size,
+    return resume_plan(store, run, plan)
+
+
+def resume_plan(store: Storage, run: ExtractRunMeta, plan: list[ShardPlan]) -> ResumePlan:
+    check_run_meta(store, run)
+    strays = store.remove_partial()
+    compact_manifest(store)
+    listing = store.list()
+    done = check_manifest_against_plan(store, plan, listing)
+    todo = [p.index for p in plan if p.index not in done]
+    unlisted = sum(shard_filename(i) in listing for i in todo)
+    return ResumePlan(run, plan, done, todo, len(strays), unlisted)
+
+
+def finish_extraction(store: Storage, plan: list[ShardPlan]) -> int:
+    """Compact the manifest and check that every planned shard has its row; return the tokens listed."""
+    rows = compact_manifest(store)
+    missing = sorted({p.index for p in plan} - {r.shard_index for r in rows})
+    if missing:
+        shown = ", ".join(f"{i:05d}" for i in missing[:20]) + (" ..." if len(missing) > 20 else "")
+        raise RuntimeError(
+            f"{store.url}: {len(missing)} of {len(plan)} planned shards have no manifest row ({shown}); a worker "
+            f"failed or was stopped: run extraction again, it extracts only these"
         )
-        report = _progress_reporter(progress, plan, done, len(dataset))
-        report(None)
-        target = _load_target_for(run, target_path, device) if todo else None
-        for p in todo:
-            tensors = _extract_shard(target, dataset, p, run.aux_layer_ids, extract_cfg=extract_cfg, device=device)
-            append_manifest_row(shards_dir, write_shard(shards_dir, tensors, run.shard_meta(p)))
-            summary.shards_written += 1
-            summary.tokens_written += p.num_tokens
-            report(p)
-    summary.seconds = time.perf_counter() - t0
-    return summary
+    return sum(r.num_tokens for r in rows)
 
 
-def _progress_reporter(progress, plan: list[ShardPlan], done: set[int], samples_total: int):
-    """A function called with each finished shard (None at start) that forwards counts to `progress`."""
-    state = {
-        "shards_done": len(done),
-        "samples_done": sum(plan[i].sample_end - plan[i].sample_start for i in done),
-        "tokens_done": sum(plan[i].num_tokens for i in done),
-    }
+class ExtractionProgress:
+    """Samples and tokens done / total and an ETA, from the shard indices known to be done.
 
-    def report(p: ShardPlan | None) -> None:
-        if p is not None:
-            state["shards_done"] += 1
-            state["samples_done"] += p.sample_end - p.sample_start
-            state["tokens_done"] += p.num_tokens
-        if progress is not None:
-            progress(
-                {
-                    **state,
-                    "shards_total": len(plan),
-                    "samples_total": samples_total,
-                    "shard_index": None if p is None else p.index,
-                }
-            )
+    `poll()` re-reads the manifest's row names from storage (what a monitor of remote workers does);
+    `shard_done(p)` counts a shard written by a worker of this process."""
 
-    return report
+    def __init__(self, store: Storage, plan: list[ShardPlan], done: set[int]):
+        self.store, self.plan = store, plan
+        self.done = set(done)
+        self.lock = threading.Lock()
+        self.t0, self.tokens_at_start = time.monotonic(), self._tokens()
+        self.samples_total = plan[-1].sample_end if plan else 0
+        self.tokens_total = sum(p.num_tokens for p in plan)
+
+    def _tokens(self) -> int:
+        return sum(self.plan[i].num_tokens for i in self.done)
+
+    def shard_done(self, p: ShardPlan) -> dict:
+        with self.lock:
+            self.done.add(p.index)
+            return self.snapshot()
+
+    def poll(self) -> dict:
+        found = done_shard_indices(self.store)
+        with self.lock:
+            self.done |= found
+            return self.snapshot()
+
+    def snapshot(self) -> dict:
+        tokens = self._tokens()
+        rate = (tokens - self.tokens_at_start) / max(time.monotonic() - self.t0, 1e-9)
+        return {
+            "shards_done": len(self.done),
+            "shards_total": len(self.plan),
+            "samples_done": sum(self.plan[i].sample_end - self.plan[i].sample_start for i in self.done),
+            "samples_total": self.samples_total,
+            "tokens_done": tokens,
+            "tokens_total": self.tokens_total,
+            "eta_s": round((self.tokens_total - tokens) / rate, 1) if rate > 0 else None,
+        }
+
+
+@contextmanager
+def extraction_lock(store: Storage):
+    """One coordinator per local shards directory at a time (the kernel drops the lock if the process dies).
+    S3 has no such lock: run one coordinator per prefix."""
+    root = store.local_path()
+    if root is None:
+        yield
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK_NAME, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise RuntimeError(
+                f"shards dir {root}: another extraction holds {LOCK_NAME}; wait for it to finish or stop it "
+                f"(two coordinators would delete each other's temporaries and both write the missing shards)"
+            ) from e
+        yield
+
+
+def extract_hidden_states(
+    *,
+    tokenized_path: str | Path,
+    shards_dir: "str | Path | Storage",
+    target_path: str | Path,
+    aux_layer_ids: list[int] | None,
+    extract_cfg: ExtractConfig,
+    target_dtype: str = "float32",
+    progress: Callable[[dict], None] | None = None,
+) -> ExtractSummary:
+    """Extract every shard of the plan that the manifest does not list yet, with `extract_cfg.num_workers`
+    concurrent workers (threads of this process); return what was done. The target is loaded (once per
+    worker) only when some shard is missing."""
+    t0 = time.perf_counter()
+    store = shards_dir if hasattr(shards_dir, "put_bytes") else open_storage(
+        shards_dir, endpoint_url=extract_cfg.s3_endpoint_url
+    )
+    dataset = TokenizedDataset(Path(tokenized_path))
+    with extraction_lock(store):
+        rp = prepare_extraction(
+            store=store,
+            dataset=dataset,
+            target_path=target_path,
+            aux_layer_ids=aux_layer_ids,
+            extract_cfg=extract_cfg,
+            target_dtype=target_dtype,
+        )
+        tracker = ExtractionProgress(store, rp.plan, rp.done)
+        report = (lambda p: progress(tracker.shard_done(p))) if progress else None
+        if progress:
+            progress(tracker.snapshot())
+        parts = [part for part in assign_shards(rp.todo, extract_cfg.num_workers) if part]
+        with ThreadPoolExecutor(max_workers=max(1, len(parts))) if parts else nullcontext() as pool:
+            futures = [
+                pool.submit(
+                    extract_worker,
+                    store=store,
+                    dataset=dataset,
+                    run_meta=rp.run,
+                    plan=rp.plan,
+                    shard_indices=part,
+                    extract_cfg=extract_cfg,
+                    target_path=str(target_path),
+                    worker_index=k,
+                    on_shard=report,
+                )
+                for k, part in enumerate(parts)
+            ]
+            results = [f.result() for f in futures]
+        finish_extraction(store, rp.plan)
+    return ExtractSummary(
+        shards_total=len(rp.plan),
+        shards_written=sum(len(r.shard_indices) for r in results),
+        shards_skipped=len(rp.done),
+        unlisted_rewritten=rp.unlisted,
+        strays_removed=rp.strays_removed,
+        samples_total=len(dataset),
+        tokens_written=sum(r.tokens_written for r in results),
+        seconds=time.perf_counter() - t0,
+        aux_layer_ids=rp.run.aux_layer_ids,
+        hidden_size=rp.run.hidden_size,
+        num_workers=len(parts),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m eyas.extract", description="extract hidden-state shards (hf)")
+    ap.add_argument("--tokenized", required=True, help="tokenized dataset (Parquet) written by eyas.dataset")
+    ap.add_argument("--shards", required=True, help="local directory or s3://bucket/prefix")
+    ap.add_argument("--target", required=True, help="Hugging Face model directory of the target")
+    ap.add_argument("--config", help="JSON of an ExtractConfig (defaults otherwise)")
+    ap.add_argument("--num-workers", type=int, help="overrides the config's num_workers")
+    args = ap.parse_args(argv)
+    cfg = ExtractConfig.model_validate_json(Path(args.config).read_text()) if args.config else ExtractConfig()
+    if args.num_workers:
+        cfg = cfg.model_copy(update={"num_workers": args.num_workers})
+    summary = extract_hidden_states(
+        tokenized_path=args.tokenized,
+        shards_dir=args.shards,
+        target_path=args.target,
+        aux_layer_ids=None,
+        extract_cfg=cfg,
+    )
+    print(json.dumps(summary.to_dict()))
+
+
+if __name__ == "__main__":
+    main()

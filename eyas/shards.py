@@ -6,9 +6,11 @@ axis (`input_ids` int64 [T], `loss_mask` uint8 [T], `aux_hidden_states` [T, n_au
 string `__metadata__` (see `ShardMeta`). Which samples go into which shard (`plan_shards`) depends
 only on the sample order and the shard size, never on the number of workers.
 
-Durability: a shard is written to a temporary name in the same directory, fsynced, renamed and
-the directory fsynced; only then is its row appended to `manifest.parquet`, itself rewritten
-atomically. A shard file without a manifest row is therefore an unfinished write.
+The bytes of a shard are a pure function of its tensors and metadata (`serialize_shard`: header
+keys sorted, tensors ordered by alignment then name), so an interrupted and resumed extraction
+writes the same files as an uninterrupted one. Durability: a shard is written through
+`eyas.storage` (temporary -> fsync -> rename, or one S3 object); only then is its manifest row
+recorded (eyas.manifest). A shard file without a manifest row is therefore an unfinished write.
 """
 
 from __future__ import annotations
@@ -17,22 +19,20 @@ import hashlib
 import json
 import os
 import re
-import time
+import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import save as safetensors_bytes
 
-from eyas.fsio import TMP_MARKER, atomic_write_bytes, fsync_path
+from eyas.manifest import ManifestRow
+from eyas.storage import Storage, as_storage
 
 FORMAT_VERSION = "1"
-MANIFEST_NAME = "manifest.parquet"
-QUARANTINE_DIR = "quarantine"
 DATASET_HASH_KEY = b"eyas.content_hash"
 SHARD_NAME_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 # Per-token bytes besides the hidden states: input_ids (int64) + loss_mask (uint8).
@@ -44,17 +44,6 @@ SHARD_TENSOR_NAMES = (
     "last_hidden_states",
     "sample_offsets",
     "sample_indices",
-)
-MANIFEST_SCHEMA = pa.schema(
-    [
-        ("shard_index", pa.int64()),
-        ("file", pa.string()),
-        ("sample_start", pa.int64()),
-        ("sample_end", pa.int64()),
-        ("num_tokens", pa.int64()),
-        ("num_bytes", pa.int64()),
-        ("sha256", pa.string()),
-    ]
 )
 
 
@@ -144,17 +133,6 @@ class ShardMeta:
         return cls(**values)
 
 
-@dataclass(frozen=True)
-class ManifestRow:
-    shard_index: int
-    file: str
-    sample_start: int
-    sample_end: int
-    num_tokens: int
-    num_bytes: int
-    sha256: str
-
-
 def sha256_file(path: Path, *, chunk_bytes: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -163,15 +141,58 @@ def sha256_file(path: Path, *, chunk_bytes: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def write_shard(shards_dir: Path, tensors: dict[str, torch.Tensor], meta: ShardMeta) -> ManifestRow:
-    """Write one shard durably and return its manifest row (the caller appends it)."""
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def serialize_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
+    """safetensors bytes that depend only on the tensors and the metadata: header keys sorted,
+    tensors laid out by descending item size then name (so each is aligned to its dtype)."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype}, expected one of {list(SAFETENSORS_DTYPES)}")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    head += b" " * (-len(head) % 8)
+    out = bytearray(8 + len(head) + offset)
+    out[:8] = struct.pack("<Q", len(head))
+    out[8 : 8 + len(head)] = head
+    pos = 8 + len(head)
+    for name in order:
+        t = tensors[name].detach().cpu().contiguous().reshape(-1)
+        size = t.numel() * t.element_size()
+        if size:
+            out[pos : pos + size] = t.view(torch.uint8).numpy().data
+        pos += size
+    return out
+
+
+def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor], meta: ShardMeta) -> ManifestRow:
+    """Write one shard durably and return its manifest row (the caller records it: eyas.manifest)."""
     if sorted(tensors) != sorted(SHARD_TENSOR_NAMES):
         raise ValueError(
             f"shard {meta.shard_index:05d}: tensors {sorted(tensors)}, expected {sorted(SHARD_TENSOR_NAMES)}"
         )
-    data = safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=meta.to_metadata())
+    data = serialize_shard(tensors, meta.to_metadata())
     name = shard_filename(meta.shard_index)
-    atomic_write_bytes(Path(shards_dir) / name, data)
+    digest = as_storage(where).put_bytes(name, data)
     return ManifestRow(
         shard_index=meta.shard_index,
         file=name,
@@ -179,46 +200,8 @@ def write_shard(shards_dir: Path, tensors: dict[str, torch.Tensor], meta: ShardM
         sample_end=meta.sample_end,
         num_tokens=int(tensors["input_ids"].shape[0]),
         num_bytes=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=digest,
     )
-
-
-def read_manifest(shards_dir: Path) -> list[ManifestRow]:
-    """The manifest's rows sorted by shard index; empty when there is no manifest yet."""
-    path = Path(shards_dir) / MANIFEST_NAME
-    if not path.exists():
-        return []
-    table = pq.read_table(path)
-    if table.schema.names != MANIFEST_SCHEMA.names:
-        raise ValueError(
-            f"{path}: columns {table.schema.names}, expected {MANIFEST_SCHEMA.names}; "
-            f"the manifest is not eyas's: move the shards directory aside and re-extract"
-        )
-    columns = table.to_pydict()
-    rows = [ManifestRow(*values) for values in zip(*(columns[n] for n in MANIFEST_SCHEMA.names))]
-    indices = [r.shard_index for r in rows]
-    if len(set(indices)) != len(indices):
-        dupes = sorted({i for i in indices if indices.count(i) > 1})
-        raise ValueError(f"{path}: shard indices {dupes} appear more than once; expected one row per shard")
-    return sorted(rows, key=lambda r: r.shard_index)
-
-
-def write_manifest(shards_dir: Path, rows: Sequence[ManifestRow]) -> None:
-    rows = sorted(rows, key=lambda r: r.shard_index)
-    table = pa.Table.from_pylist([asdict(r) for r in rows], schema=MANIFEST_SCHEMA)
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    atomic_write_bytes(Path(shards_dir) / MANIFEST_NAME, sink.getvalue().to_pybytes())
-
-
-def append_manifest_row(shards_dir: Path, row: ManifestRow) -> None:
-    rows = read_manifest(shards_dir)
-    if any(r.shard_index == row.shard_index for r in rows):
-        raise ValueError(
-            f"{Path(shards_dir) / MANIFEST_NAME}: shard {row.shard_index:05d} already has a row; "
-            f"quarantine it (eyas.shards.quarantine_shards) before re-extracting"
-        )
-    write_manifest(shards_dir, [*rows, row])
 
 
 def shard_files(shards_dir: Path) -> list[Path]:
@@ -226,45 +209,6 @@ def shard_files(shards_dir: Path) -> list[Path]:
     with os.scandir(shards_dir) as entries:
         names = sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())
     return [Path(shards_dir) / n for n in names]
-
-
-def remove_stray_temporaries(shards_dir: Path) -> list[Path]:
-    """Delete leftovers of interrupted atomic writes (`.NAME.tmp-PID`); return what was deleted."""
-    strays = sorted(p for p in Path(shards_dir).glob(f".*{TMP_MARKER}*") if p.is_file())
-    for p in strays:
-        p.unlink()
-    return strays
-
-
-def quarantine_shards(shards_dir: Path, reasons: Mapping[str, str]) -> list[Path]:
-    """Move each named shard file (a key of `reasons`) into `quarantine/` as `NAME.STAMP`, beside
-    `NAME.STAMP.reason.txt` holding its reason, and drop its manifest row, so that the next extraction
-    run re-extracts it. A file already gone still gets its reason file. Returns the reason files."""
-    shards_dir = Path(shards_dir)
-    qdir = shards_dir / QUARANTINE_DIR
-    qdir.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    written = []
-    for name, reason in sorted(reasons.items()):
-        if not reason:
-            raise ValueError(f"quarantine {shards_dir / name}: empty reason; say why the shard is set aside")
-        dst, k = qdir / f"{name}.{stamp}", 1
-        while dst.exists() or dst.with_name(dst.name + ".reason.txt").exists():
-            dst, k = qdir / f"{name}.{stamp}-{k}", k + 1
-        src = shards_dir / name
-        found = src.exists()
-        if found:
-            os.replace(src, dst)
-        note = dst.with_name(dst.name + ".reason.txt")
-        atomic_write_bytes(note, (reason + "\n" + ("" if found else "(the file was already missing)\n")).encode())
-        written.append(note)
-    fsync_path(qdir)
-    fsync_path(shards_dir)
-    rows = read_manifest(shards_dir)
-    kept = [r for r in rows if r.file not in reasons]
-    if len(kept) != len(rows):
-        write_manifest(shards_dir, kept)
-    return written
 
 
 def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], ShardMeta]:

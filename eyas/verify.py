@@ -25,15 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eyas.fsio import atomic_write_bytes
-from eyas.shards import (
-    SHARD_NAME_RE,
-    ManifestRow,
-    TokenizedDataset,
-    quarantine_shards,
-    read_dataset_hash,
-    read_manifest,
-    shard_files,
-)
+from eyas.manifest import ManifestRow, quarantine_shards, read_manifest
+from eyas.shards import SHARD_NAME_RE, TokenizedDataset, read_dataset_hash, shard_files
 from eyas.verify_checks import (
     CHEAP_CHECKS,
     FIX,

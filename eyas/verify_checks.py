@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from eyas.shards import FORMAT_VERSION, SHARD_TENSOR_NAMES, ManifestRow, ShardMeta, TokenizedDataset, shard_filename
+from eyas.manifest import ManifestRow
+from eyas.shards import FORMAT_VERSION, SHARD_TENSOR_NAMES, ShardMeta, TokenizedDataset, shard_filename
 from eyas.target import LAYER_ID_CONVENTION
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -33,7 +34,7 @@ _NONFINITE = {
 HIDDEN_TENSORS = ("aux_hidden_states", "last_hidden_states")
 MAX_HEADER_BYTES = 100 << 20
 HEAD_READ_BYTES = 16 << 10
-FIX = "quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"
+FIX = "quarantine the shard (eyas.manifest.quarantine_shards) and re-run extraction"
 
 
 class Bad(Exception):
@@ -215,7 +216,7 @@ def check_layout(s: ShardState) -> None:
             raise Bad(
                 f"aux_hidden_states width {width}, expected {shape[1]} ({m.num_aux} layers x "
                 f"{m.hidden_size}); the backend did not return the aux layers' states "
-                f"(see eyas.extract.check_aux_width for causes); {FIX}"
+                f"(see eyas.extract_backends.check_aux_width for causes); {FIX}"
             )
         if span.shape != shape:
             raise Bad(

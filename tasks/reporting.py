@@ -51,8 +51,18 @@ class StageProgress:
         self.bar.update(self.bar_task, completed=done, total=total)
         now = time.monotonic()
         if now - self.last_sent >= self.min_interval_s or done >= total:
-            update_progress_artifact(self.artifact_id, progress=100.0 * done / total)
+            update_progress_artifact(self.artifact_id, progress=100.0 * done / total, description=self.describe(info))
             self.last_sent = now
+
+    def describe(self, info: dict) -> str:
+        """The title with done/total of every counted quantity and the ETA, when the callback gives them."""
+        parts = [self.title]
+        for name in ("shards", "samples", "tokens"):
+            if f"{name}_done" in info and f"{name}_total" in info:
+                parts.append(f"{name} {info[f'{name}_done']:,}/{info[f'{name}_total']:,}")
+        if info.get("eta_s") is not None:
+            parts.append(f"ETA {info['eta_s']:.0f} s")
+        return "; ".join(parts)
 
 
 def table_artifact(key: str, rows: list[dict], description: str) -> None:

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from eyas.draft import DraftArch, build_draft, ttt_loss
 from eyas.export import export_sglang
-from eyas.shards import ShardMeta, append_manifest_row, write_shard
+from eyas.manifest import append_manifest_row
+from eyas.shards import ShardMeta, write_shard
 from eyas.target import embed_weight, lm_head_weight, target_features
 
 ARCH = DraftArch(

@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from eyas.config import ExtractConfig
-from eyas.extract import (
-    AuxWidthError,
-    ExtractConfigMismatchError,
-    check_aux_width,
-    extract_hidden_states,
-)
-from eyas.shards import load_shard, read_manifest, sha256_file, shard_filename, write_manifest
+from eyas.extract import ExtractConfigMismatchError, extract_hidden_states
+from eyas.extract_backends import AuxWidthError, check_aux_width
+from eyas.manifest import read_manifest, write_manifest
+from eyas.shards import load_shard, sha256_file, shard_filename
 from eyas.target import load_target, target_features
 
 AUX_IDS = [2, 4, 5]  # the EAGLE-3 default of the 8-layer random target
@@ -173,8 +170,8 @@ def test_manifest_row_without_file_is_refused(finished, tokenized, random_target
     (finished / shard_filename(0)).unlink()
     with pytest.raises(
         FileNotFoundError,
-        match=r"shard-00000.safetensors: listed in the manifest .* missing or of "
-        r"another size on disk; run verification, which quarantines it",
+        match=r"shard-00000.safetensors: listed in the manifest \(\d+ bytes\) but missing in storage; "
+        r"run verification, which quarantines it",
     ):
         _extract(tokenized, finished, random_target_dir)
 

@@ -9,24 +9,20 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from eyas.manifest import MANIFEST_NAME, ManifestRow, append_manifest_row, quarantine_shards, read_manifest
 from eyas.shards import (
-    MANIFEST_NAME,
     TOKEN_OVERHEAD_BYTES,
-    ManifestRow,
     ShardMeta,
     ShardPlan,
     TokenizedDataset,
-    append_manifest_row,
     bytes_per_token,
     load_shard,
     plan_shards,
-    quarantine_shards,
-    read_manifest,
-    remove_stray_temporaries,
     sha256_file,
     shard_filename,
     write_shard,
 )
+from eyas.storage import LocalStorage
 
 
 def write_tokenized(path, samples, *, dataset_hash="d5e7", sample_index=None):
@@ -149,8 +145,8 @@ def test_remove_stray_temporaries_keeps_shards(tmp_path):
     write_shard(tmp_path, _tensors(), _meta())
     (tmp_path / ".shard-00001.safetensors.tmp-4242").write_bytes(b"partial")
     (tmp_path / f".{MANIFEST_NAME}.tmp-7").write_bytes(b"partial")
-    removed = remove_stray_temporaries(tmp_path)
-    assert sorted(p.name for p in removed) == [".manifest.parquet.tmp-7", ".shard-00001.safetensors.tmp-4242"]
+    removed = LocalStorage(tmp_path).remove_partial()
+    assert sorted(removed) == [".manifest.parquet.tmp-7", ".shard-00001.safetensors.tmp-4242"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.safetensors"]
 
 

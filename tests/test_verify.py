@@ -13,7 +13,8 @@ from test_extract import write_tokenized
 
 from eyas.config import ExtractConfig
 from eyas.extract import extract_hidden_states
-from eyas.shards import load_shard, read_manifest, shard_filename, write_manifest, write_shard
+from eyas.manifest import read_manifest, write_manifest
+from eyas.shards import load_shard, shard_filename, write_shard
 from eyas.verify import (
     ShardVerificationError,
     expected_shard_meta,
@@ -153,7 +154,7 @@ def test_wrong_dtype_is_flagged(shards, extracted):
     reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
     assert reason == (
         "shard-00000.safetensors: aux_hidden_states dtype F16, expected F32 (metadata dtype float32); "
-        "quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"
+        "quarantine the shard (eyas.manifest.quarantine_shards) and re-run extraction"
     )
 
 
@@ -242,7 +243,7 @@ def test_missing_shard_file_is_flagged(shards, extracted):
     reasons = _bad_reasons(_verify(shards, extracted, "cheap"))
     assert reasons == {
         "shard-00001.safetensors": "shard-00001.safetensors: listed in the manifest but missing on "
-        "disk; quarantine the shard (eyas.shards.quarantine_shards) and re-run extraction"
+        "disk; quarantine the shard (eyas.manifest.quarantine_shards) and re-run extraction"
     }
 
 

@@ -11,7 +11,8 @@ from test_verify import write_tokenized
 
 from eyas.config import load_run_config
 from eyas.extract import extract_hidden_states
-from eyas.shards import QUARANTINE_DIR, load_shard, read_manifest, shard_filename, write_manifest, write_shard
+from eyas.manifest import QUARANTINE_DIR, read_manifest, write_manifest
+from eyas.shards import load_shard, shard_filename, write_shard
 
 
 @pytest.fixture

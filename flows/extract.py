@@ -24,8 +24,8 @@ def extract_flow(config: RunConfig) -> dict:
         planned = plan_extraction(config)
         parts = [part for part in assign_shards(planned["todo"], config.extract.num_workers) if part]
         workers = start_workers(config, parts)
-        follow_workers(config, workers)
-        summary = finish_extraction_task(config, planned)
+        results = follow_workers(config, workers)
+        summary = {**finish_extraction_task(config, planned), "workers": results}
     print(f"extraction: {summary}")
     return summary
 

@@ -78,7 +78,7 @@ def extract_worker_shards(config: RunConfig, worker_index: int, shard_indices: l
     )
     return {
         "worker_index": worker_index,
-        "shards": len(shard_indices),
+        "shard_indices": list(shard_indices),
         "tokens_written": summary.tokens_written,
         "seconds": round(summary.seconds, 2),
     }
@@ -158,9 +158,10 @@ def start_workers(config: RunConfig, parts: list[list[int]]) -> list:
     return workers
 
 
-def follow_workers(config: RunConfig, workers: list, poll_s: float = 2.0) -> None:
+def follow_workers(config: RunConfig, workers: list, poll_s: float = 2.0) -> list[dict]:
     """Show progress (read from the manifest in storage, so remote workers count too) until every
-    worker has ended; then raise the first worker failure. A worker has `done()` and `result()`."""
+    worker has ended; then return their results, or raise the first failure. A worker has `done()`
+    and `result()`."""
     store, _, _, plan = _describe(config)
     tracker = ExtractionProgress(store, plan, done_shard_indices(store))
     with StageProgress("extract-progress", "extracting hidden states", "samples_done", "samples_total") as progress:
@@ -169,8 +170,7 @@ def follow_workers(config: RunConfig, workers: list, poll_s: float = 2.0) -> Non
             time.sleep(poll_s)
             progress(tracker.poll())
         progress(tracker.poll())
-    for w in workers:
-        w.result()
+    return [w.result() for w in workers]
 
 
 @task(name="verify-shards")

@@ -1,0 +1,107 @@
+"""The extract-hidden-states flow against a real Prefect server: two concurrent worker tasks on disjoint
+shards, progress as an artifact; S3 as the shard store with a verified local copy, healed through S3."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from test_verify import write_tokenized
+
+from eyas.config import load_run_config
+from eyas.manifest import read_manifest
+from eyas.shards import load_shard, shard_filename, write_shard
+from eyas.storage_s3 import S3Storage
+
+
+def _config(tmp_path, tiny_target_dir, random_target_dir, **extract):
+    base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
+    config = base.model_copy(
+        update={
+            "workdir": str(tmp_path / "run"),
+            "target": base.target.model_copy(update={"model_path": str(random_target_dir)}),
+            "extract": base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 4, **extract}),
+        }
+    )
+    rng = random.Random(5)
+    samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 20))] for _ in range(24)]
+    config.paths.dataset_dir.mkdir(parents=True)
+    write_tokenized(config.paths.tokenized, samples)
+    return config
+
+
+@pytest.fixture(autouse=True)
+def flush_run_logs():
+    """Send the flow runs' logs while the server is up (else exit waits on retries to a stopped server)."""
+    yield
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    EventsWorker.drain_all(timeout=30)
+
+
+def _task_runs(flow_run_id, name):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter, TaskRunFilterName
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)),
+        )
+
+
+def test_two_worker_tasks_extract_disjoint_shards(prefect_server, tmp_path, tiny_target_dir, random_target_dir):
+    from prefect.client.orchestration import get_client
+
+    from flows.extract import extract_flow
+
+    config = _config(tmp_path, tiny_target_dir, random_target_dir, num_workers=2)
+    state = extract_flow(config, return_state=True)
+    summary = state.result()
+    rows = read_manifest(config.paths.shards_dir)
+    assert summary["shards_written"] == summary["shards_total"] == len(rows) > 4
+    workers = _task_runs(state.state_details.flow_run_id, "extract-worker-shards")
+    assert len(workers) == 2 and all(w.state.is_completed() for w in workers)
+    a, b = workers
+    assert a.start_time < b.end_time and b.start_time < a.end_time  # the two tasks ran at the same time
+    lists = [w["shard_indices"] for w in summary["workers"]]
+    assert not set(lists[0]) & set(lists[1])  # disjoint
+    assert sorted(lists[0] + lists[1]) == [r.shard_index for r in rows]  # and nothing missed
+    with get_client(sync_client=True) as client:
+        progress = client.read_artifacts(flow_run_filter=None)
+    progress = [a for a in progress if a.key == "extract-progress"]
+    assert progress and progress[0].data == 100.0
+    assert f"shards {len(rows)}/{len(rows)}" in progress[0].description
+
+    again = extract_flow(config)
+    assert (again["shards_written"], again["shards_skipped"]) == (0, len(rows))
+
+
+def test_s3_shard_store_with_local_copy_heals_through_s3(
+    prefect_server, s3_bucket, s3_endpoint, tmp_path, tiny_target_dir, random_target_dir
+):
+    from flows.extract import extract_flow
+    from flows.verify import verify_flow
+
+    url = f"s3://{s3_bucket}/runs/flow/shards"
+    config = _config(tmp_path, tiny_target_dir, random_target_dir, storage_url=url, s3_endpoint_url=s3_endpoint)
+    summary = extract_flow(config)
+    store = S3Storage(url, endpoint_url=s3_endpoint)
+    assert summary["storage"] == url and summary["local_copy"]["fetched"] == len(read_manifest(store))
+    assert read_manifest(config.paths.shards_dir) == read_manifest(store)
+
+    shards = config.paths.shards_dir  # damage the local copy of shard 1 (valid checksum, a NaN inside)
+    tensors, meta = load_shard(shards / shard_filename(1))
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    tensors["aux_hidden_states"][0, 0] = math.nan
+    write_shard(shards, tensors, meta)
+    (shards / "manifest.parquet").unlink()
+    from eyas.manifest import write_manifest
+
+    write_manifest(shards, [write_shard(shards, tensors, meta) if r.shard_index == 1 else r for r in read_manifest(store)])
+    healed = verify_flow(config)
+    assert (healed["bad"], healed["quarantined"]) == (0, 1)
+    assert read_manifest(config.paths.shards_dir) == read_manifest(store)  # re-extracted on S3, fetched again

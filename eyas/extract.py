@@ -24,7 +24,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -333,8 +333,10 @@ def extract_hidden_states(
     concurrent workers (threads of this process); return what was done. The target is loaded (once per
     worker) only when some shard is missing."""
     t0 = time.perf_counter()
-    store = shards_dir if hasattr(shards_dir, "put_bytes") else open_storage(
-        shards_dir, endpoint_url=extract_cfg.s3_endpoint_url
+    store = (
+        shards_dir
+        if hasattr(shards_dir, "put_bytes")
+        else open_storage(shards_dir, endpoint_url=extract_cfg.s3_endpoint_url)
     )
     dataset = TokenizedDataset(Path(tokenized_path))
     with extraction_lock(store):
@@ -351,23 +353,25 @@ def extract_hidden_states(
         if progress:
             progress(tracker.snapshot())
         parts = [part for part in assign_shards(rp.todo, extract_cfg.num_workers) if part]
-        with ThreadPoolExecutor(max_workers=max(1, len(parts))) if parts else nullcontext() as pool:
-            futures = [
-                pool.submit(
-                    extract_worker,
-                    store=store,
-                    dataset=dataset,
-                    run_meta=rp.run,
-                    plan=rp.plan,
-                    shard_indices=part,
-                    extract_cfg=extract_cfg,
-                    target_path=str(target_path),
-                    worker_index=k,
-                    on_shard=report,
-                )
-                for k, part in enumerate(parts)
-            ]
-            results = [f.result() for f in futures]
+        work = [
+            dict(
+                store=store,
+                dataset=dataset,
+                run_meta=rp.run,
+                plan=rp.plan,
+                shard_indices=part,
+                extract_cfg=extract_cfg,
+                target_path=str(target_path),
+                worker_index=k,
+                on_shard=report,
+            )
+            for k, part in enumerate(parts)
+        ]
+        if len(work) <= 1:  # one worker runs in this thread (torch is a few % slower in a pool thread)
+            results = [extract_worker(**w) for w in work]
+        else:
+            with ThreadPoolExecutor(max_workers=len(work)) as pool:
+                results = [f.result() for f in [pool.submit(extract_worker, **w) for w in work]]
         finish_extraction(store, rp.plan)
     return ExtractSummary(
         shards_total=len(rp.plan),

@@ -11,6 +11,7 @@ or flow runs on other machines) as long as their shard lists are disjoint (`assi
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -89,6 +90,13 @@ def extract_shard_tensors(
     }
 
 
+def _store_shard(store: Storage, tensors: dict, meta: ShardMeta, p: ShardPlan, on_shard) -> None:
+    """Write the shard durably, then its manifest row; then report it."""
+    record_row(store, write_shard(store, tensors, meta))
+    if on_shard is not None:
+        on_shard(p)
+
+
 def extract_worker(
     *,
     store: Storage,
@@ -114,22 +122,27 @@ def extract_worker(
         hidden_size=run_meta.hidden_size,
         device=worker_device(extract_cfg.device, worker_index),
     )
+    # The file work of shard i (serialize, checksum, write, fsync, row) runs on a writer thread while
+    # the backend computes shard i + 1; at most one shard waits, so memory holds two shards at most.
+    pending: Future | None = None
     try:
-        for index in shard_indices:
-            p = plan[index]
-            tensors = extract_shard_tensors(
-                backend,
-                dataset,
-                p,
-                aux_layer_ids=run_meta.aux_layer_ids,
-                hidden_size=run_meta.hidden_size,
-                extract_cfg=extract_cfg,
-            )
-            meta: ShardMeta = run_meta.shard_meta(p)
-            record_row(store, write_shard(store, tensors, meta))
-            summary.tokens_written += p.num_tokens
-            if on_shard is not None:
-                on_shard(p)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"extract-writer-{worker_index}") as writer:
+            for index in shard_indices:
+                p = plan[index]
+                tensors = extract_shard_tensors(
+                    backend,
+                    dataset,
+                    p,
+                    aux_layer_ids=run_meta.aux_layer_ids,
+                    hidden_size=run_meta.hidden_size,
+                    extract_cfg=extract_cfg,
+                )
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(_store_shard, store, tensors, run_meta.shard_meta(p), p, on_shard)
+                summary.tokens_written += p.num_tokens
+            if pending is not None:
+                pending.result()
     finally:
         backend.close()
     summary.seconds = time.perf_counter() - t0

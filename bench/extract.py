@@ -7,7 +7,8 @@ Face directory; the same samples are (1) run through a bare loop of `model(input
 attention_mask, output_hidden_states=True)` over exactly the batches eyas forms (per shard, every
 `batch_size` samples from the shard's first), and (2) extracted by `extract_hidden_states` into a
 fresh directory (forward, copy into the shard tensors, safetensors bytes, sha256, temporary ->
-fsync -> rename, manifest rows, compaction). `throughput_ratio` = tokens/s of (2) / tokens/s of (1),
+fsync -> rename, manifest rows, compaction). eyas asks the model for the logits of one position
+only (it needs hidden states), which the bare loop, like most hand-written ones, does not. `throughput_ratio` = tokens/s of (2) / tokens/s of (1),
 best of `--repeats` each, interleaved (goal >= 0.90). The committed tiny target is measured the same
 way for information: its forward pass is so small that the per-shard file work shows.
 Resume plan: a manifest of 40,000 shards (2 samples each, sparse files of the listed sizes) is written;

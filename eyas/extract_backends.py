@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from eyas.config import ExtractConfig
-from eyas.target import load_target, target_features
+from eyas.target import load_target
 
 
 class AuxWidthError(ValueError):
@@ -93,11 +93,20 @@ class HFBackend:
         for i, s in enumerate(samples):
             ids[i, : len(s)] = s
             mask[i, : len(s)] = 1
-        attention_mask = None if len(samples) == 1 else mask.to(self.device)
-        aux, last, _ = target_features(
-            self.target.model, ids.to(self.device), self.aux_layer_ids, attention_mask=attention_mask
+        # logits_to_keep=1: the lm_head runs on one position only (eyas needs hidden states, and full
+        # logits of a 150k vocabulary would take more memory than the whole batch's hidden states).
+        out = self.target.model(
+            input_ids=ids.to(self.device),
+            attention_mask=None if len(samples) == 1 else mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
         )
-        return [(aux[i, :n].cpu(), last[i, :n].cpu()) for i, n in enumerate(lengths)]
+        hs = out.hidden_states
+        return [
+            (torch.cat([hs[j][i, :n] for j in self.aux_layer_ids], dim=-1).cpu(), hs[-1][i, :n].cpu())
+            for i, n in enumerate(lengths)
+        ]
 
     def close(self) -> None:
         self.target = None

@@ -1,8 +1,6 @@
 """Flow `benchmark-acceptance`: the exported draft on held-out prompts; a tau below the floor fails
 the flow with a diagnosis of every known cause (eyas/diagnose.py), never a green run."""
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

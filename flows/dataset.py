@@ -1,7 +1,5 @@
 """Flow `build-dataset`: prompts -> target responses -> tokenized table -> draft vocab mapping."""
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

@@ -1,7 +1,5 @@
 """Flow `export-drafter`: newest complete checkpoint -> SGLang format, strictly key-checked."""
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

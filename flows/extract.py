@@ -1,7 +1,5 @@
 """Flows `extract-hidden-states` (plan, fan out, follow, finish) and `extract-worker` (one worker's shards)."""
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

@@ -6,8 +6,6 @@ An approval is recorded in the run's workdir with the config's fingerprint: re-r
 configuration does not ask again; a changed one does.
 """
 
-from __future__ import annotations
-
 import json
 from datetime import datetime, timezone
 

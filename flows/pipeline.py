@@ -1,7 +1,5 @@
 """Flow `pipeline`: dataset -> extract -> verify -> smoke run -> approval gate -> train -> export -> benchmark."""
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

@@ -3,8 +3,6 @@
 The pipeline gates once in its own run and calls this flow with `require_approval=False`.
 """
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

@@ -1,8 +1,6 @@
 """Flow `verify-shards`: every shard checked against its manifest row, the dataset and the config;
 bad shards are quarantined with their reasons, re-extracted and verified again."""
 
-from __future__ import annotations
-
 from prefect import flow
 
 from eyas.config import RunConfig

@@ -21,6 +21,11 @@ STAGES = [
         "prompts -> target responses -> tokenized table -> vocab mapping",
     ),
     ("extract-hidden-states", "flows/extract.py:extract_flow", "target hidden states into shards + manifest"),
+    (
+        "extract-worker",
+        "flows/extract.py:extract_worker_flow",
+        "one worker's shards of a fanned-out extraction (extract.fanout = deployment); started by run_deployment",
+    ),
     ("verify-shards", "flows/verify.py:verify_flow", "verify every shard against manifest, dataset and config"),
     ("train-drafter", "flows/train.py:train_flow", "smoke run, approval gate, torchrun trainer"),
     ("export-drafter", "flows/export.py:export_flow", "newest checkpoint -> SGLang format, strictly checked"),

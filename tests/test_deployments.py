@@ -32,6 +32,27 @@ def test_deployment_entrypoint_is_a_flow(deployment):
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=lambda d: d["name"])
+def test_deployment_parameters_validate_when_loaded_from_the_entrypoint(prefect_server, deployment):
+    """What a worker does with a flow run: load the flow from its entrypoint, validate the parameters.
+    (A served deployment's runs are exercised in tests/test_extract_flow.py: there, flows whose module
+    postponed its annotations failed validation, so flows/ does not use `from __future__ import annotations`.)"""
+    import os
+
+    from prefect.flows import load_flow_from_entrypoint
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        flow = load_flow_from_entrypoint(deployment["entrypoint"])
+    finally:
+        os.chdir(cwd)
+    extra = {"worker_index": 0, "shard_indices": [0]} if deployment["name"].startswith("extract-worker") else {}
+    extra |= {"export_dir": "runs/demo/export"} if "export_dir" in flow.parameters.properties else {}
+    validated = flow.validate_parameters({**deployment["parameters"], **extra})
+    assert isinstance(validated["config"], RunConfig)
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=lambda d: d["name"])
 def test_deployment_parameters_equal_the_tiny_preset(deployment):
     preset = json.loads((REPO / "deployments" / "tiny-cpu.json").read_text())
     assert deployment["parameters"]["config"] == preset

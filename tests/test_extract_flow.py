@@ -105,3 +105,57 @@ def test_s3_shard_store_with_local_copy_heals_through_s3(
     healed = verify_flow(config)
     assert (healed["bad"], healed["quarantined"]) == (0, 1)
     assert read_manifest(config.paths.shards_dir) == read_manifest(store)  # re-extracted on S3, fetched again
+
+
+def test_deployment_fanout_runs_one_flow_run_per_worker(prefect_server, tmp_path, tiny_target_dir, random_target_dir):
+    """fanout='deployment': each worker is a flow run of a served `extract-worker` deployment (the same
+    run_deployment call a work pool of GPU nodes answers)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    from flows.extract import extract_flow
+
+    repo = Path(__file__).resolve().parents[1]
+    serve = "from flows.extract import extract_worker_flow; extract_worker_flow.serve(name='fanout-test', limit=2)"
+    env = {**os.environ, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    log = open(tmp_path / "serve.log", "wb")
+    runner = subprocess.Popen([sys.executable, "-c", serve], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        with get_client(sync_client=True) as client:
+            while True:
+                try:
+                    client.read_deployment_by_name("extract-worker/fanout-test")
+                    break
+                except Exception as e:  # ObjectNotFound until the runner has registered it
+                    if runner.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the runner did not serve the deployment: {(tmp_path / 'serve.log').read_text()}") from e
+                    time.sleep(0.5)
+        config = _config(
+            tmp_path, tiny_target_dir, random_target_dir, num_workers=2, fanout="deployment",
+            worker_deployment="extract-worker/fanout-test",
+        )
+        state = extract_flow(config, return_state=True)
+        summary = state.result()
+        rows = read_manifest(config.paths.shards_dir)
+        assert summary["shards_written"] == len(rows) > 4
+        with get_client(sync_client=True) as client:
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id])
+                )
+            )
+        workers = [r for r in children if r.deployment_id is not None]
+        assert len(workers) == 2 and all(r.state.is_completed() for r in workers)
+        assert sorted(r.parameters["worker_index"] for r in workers) == [0, 1]
+        lists = [r.parameters["shard_indices"] for r in workers]
+        assert not set(lists[0]) & set(lists[1]) and sorted(lists[0] + lists[1]) == [r.shard_index for r in rows]
+    finally:
+        runner.terminate()
+        runner.wait(timeout=30)

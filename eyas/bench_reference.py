@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from eyas.target import target_features
+from eyas.target import HF_LOAD_LOCK, target_features
 
 Node = tuple[int, int]  # (target token id, index of the parent node; -1 = the root)
 
@@ -81,7 +81,8 @@ def load_target_float64(target_path: str | Path) -> torch.nn.Module:
     path = Path(target_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target {path}: no config.json; expected a Hugging Face model directory")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    with HF_LOAD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:

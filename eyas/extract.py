@@ -43,6 +43,7 @@ from eyas.shards import (
 )
 from eyas.storage import Storage, open_storage
 from eyas.target import (
+    HF_LOAD_LOCK,
     LAYER_ID_CONVENTION,
     resolve_aux_layer_ids,
     target_fingerprint,
@@ -114,7 +115,8 @@ def target_dims(target_path: str | Path) -> tuple[int, int]:
     path = Path(target_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target {str(path)!r}: no config.json; expected a Hugging Face model directory")
-    cfg = AutoConfig.from_pretrained(path).get_text_config()
+    with HF_LOAD_LOCK:
+        cfg = AutoConfig.from_pretrained(path).get_text_config()
     return int(cfg.num_hidden_layers), int(cfg.hidden_size)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,11 @@ class Target:
         return self.tokenizer.eos_token_id
 
 
+# transformers' from_pretrained is not thread-safe: two model loads overlapping in two threads (extraction
+# workers are threads) leave a tied lm_head on the meta device in most loads. One load at a time.
+HF_LOAD_LOCK = threading.RLock()
+
+
 def load_target(model_path: str | Path, dtype: str = "float32") -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,9 +101,10 @@ def load_target(model_path: str | Path, dtype: str = "float32") -> Target:
             f"target.model_path={str(path)!r}: no config.json there; expected a Hugging Face model "
             f"directory (config.json, *.safetensors, tokenizer files)"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    with HF_LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return Target(model=model, tokenizer=tokenizer, path=path)
 
 

@@ -98,3 +98,22 @@ def test_rerun_on_s3_skips_everything(s3_bucket, s3_endpoint, tokenized, random_
     first = _extract(tokenized, store, random_target_dir, num_workers=2)
     again = _extract(tokenized, store, random_target_dir, num_workers=2)
     assert (again.shards_written, again.shards_skipped) == (0, first.shards_total)
+
+
+def test_workers_loading_the_target_at_once_keep_its_tied_lm_head(tiny_target_dir):
+    """Workers are threads and each loads the target; overlapping from_pretrained calls (unguarded)
+    leave a tied lm_head on the meta device in most loads."""
+    from eyas.target import load_target
+
+    devices = []
+
+    def load():
+        for _ in range(4):
+            devices.append(load_target(tiny_target_dir).model.lm_head.weight.device.type)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert devices == ["cpu"] * 8

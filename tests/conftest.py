@@ -146,3 +146,15 @@ def fault_proxy(s3_endpoint):
     proxy = FaultProxy(s3_endpoint)
     yield proxy
     proxy.close()
+
+
+@pytest.fixture
+def flush_prefect_logs():
+    """Send the flow runs' logs and events while the test server is up (else the process's exit waits
+    on retries to a server that has stopped). Flow-test modules use it with `pytestmark`."""
+    yield
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    EventsWorker.drain_all(timeout=30)

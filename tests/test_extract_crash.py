@@ -39,8 +39,21 @@ def job(tmp_path_factory, random_target_dir):
 
 
 def _start(job, shards: Path, num_workers: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "eyas.extract", "--tokenized", str(job["tokenized"]), "--shards", str(shards),
-           "--target", str(job["target"]), "--config", str(job["config"]), "--num-workers", str(num_workers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyas.extract",
+        "--tokenized",
+        str(job["tokenized"]),
+        "--shards",
+        str(shards),
+        "--target",
+        str(job["target"]),
+        "--config",
+        str(job["config"]),
+        "--num-workers",
+        str(num_workers),
+    ]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -81,8 +81,9 @@ def test_two_workers_write_disjoint_shards_at_once(tmp_path, tokenized, random_t
     assert shard_bytes(tmp_path / "shards") == shard_bytes(one_worker)  # byte-identical to one worker's
 
 
-def test_three_workers_on_s3_give_the_same_bytes(s3_bucket, s3_endpoint, tmp_path, tokenized, random_target_dir,
-                                                 one_worker):
+def test_three_workers_on_s3_give_the_same_bytes(
+    s3_bucket, s3_endpoint, tmp_path, tokenized, random_target_dir, one_worker
+):
     store = S3Storage(f"s3://{s3_bucket}/run-1/shards", endpoint_url=s3_endpoint)
     _extract(tokenized, store, random_target_dir, num_workers=3)
     assert read_manifest(store) == read_manifest(one_worker)

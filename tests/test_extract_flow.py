@@ -14,6 +14,8 @@ from eyas.manifest import read_manifest
 from eyas.shards import load_shard, shard_filename, write_shard
 from eyas.storage_s3 import S3Storage
 
+pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
+
 
 def _config(tmp_path, tiny_target_dir, random_target_dir, **extract):
     base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
@@ -29,17 +31,6 @@ def _config(tmp_path, tiny_target_dir, random_target_dir, **extract):
     config.paths.dataset_dir.mkdir(parents=True)
     write_tokenized(config.paths.tokenized, samples)
     return config
-
-
-@pytest.fixture(autouse=True)
-def flush_run_logs():
-    """Send the flow runs' logs while the server is up (else exit waits on retries to a stopped server)."""
-    yield
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=30)
-    EventsWorker.drain_all(timeout=30)
 
 
 def _task_runs(flow_run_id, name):
@@ -101,7 +92,9 @@ def test_s3_shard_store_with_local_copy_heals_through_s3(
     (shards / "manifest.parquet").unlink()
     from eyas.manifest import write_manifest
 
-    write_manifest(shards, [write_shard(shards, tensors, meta) if r.shard_index == 1 else r for r in read_manifest(store)])
+    write_manifest(
+        shards, [write_shard(shards, tensors, meta) if r.shard_index == 1 else r for r in read_manifest(store)]
+    )
     healed = verify_flow(config)
     assert (healed["bad"], healed["quarantined"]) == (0, 1)
     assert read_manifest(config.paths.shards_dir) == read_manifest(store)  # re-extracted on S3, fetched again
@@ -135,10 +128,16 @@ def test_deployment_fanout_runs_one_flow_run_per_worker(prefect_server, tmp_path
                     break
                 except Exception as e:  # ObjectNotFound until the runner has registered it
                     if runner.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the runner did not serve the deployment: {(tmp_path / 'serve.log').read_text()}") from e
+                        raise RuntimeError(
+                            f"the runner did not serve the deployment: {(tmp_path / 'serve.log').read_text()}"
+                        ) from e
                     time.sleep(0.5)
         config = _config(
-            tmp_path, tiny_target_dir, random_target_dir, num_workers=2, fanout="deployment",
+            tmp_path,
+            tiny_target_dir,
+            random_target_dir,
+            num_workers=2,
+            fanout="deployment",
             worker_deployment="extract-worker/fanout-test",
         )
         state = extract_flow(config, return_state=True)

@@ -14,6 +14,8 @@ from eyas.extract import extract_hidden_states
 from eyas.manifest import QUARANTINE_DIR, read_manifest, write_manifest
 from eyas.shards import load_shard, shard_filename, write_shard
 
+pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
+
 
 @pytest.fixture
 def config(tmp_path, tiny_target_dir, random_target_dir):
@@ -44,17 +46,6 @@ def config(tmp_path, tiny_target_dir, random_target_dir):
     row = write_shard(shards, tensors, meta)
     write_manifest(shards, [row if r.shard_index == 1 else r for r in read_manifest(shards)])
     return config
-
-
-@pytest.fixture(autouse=True)
-def flush_run_logs():
-    """Send the flow runs' logs while the server is up (else exit waits on retries to a stopped server)."""
-    yield
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=30)
-    EventsWorker.drain_all(timeout=30)
 
 
 def test_flow_quarantines_reextracts_and_passes(prefect_server, config):

@@ -1,6 +1,6 @@
 """The manifest of a shard set: one row per finished shard, the only record of what is done.
 
-A row (shard index, file, sample range, token count, bytes, sha256) lives either in
+A row (shard index, file, sample range, token count, bytes, checksum) lives either in
 `manifest.parquet` (compacted) or, just after its shard was written, in `rows/shard-NNNNN.json`.
 Each worker writes only the row files of its own shards, each atomically after its shard is
 durable, so concurrent workers never write the same object. `compact_manifest` (run by the one
@@ -36,7 +36,7 @@ MANIFEST_SCHEMA = pa.schema(
         ("sample_end", pa.int64()),
         ("num_tokens", pa.int64()),
         ("num_bytes", pa.int64()),
-        ("sha256", pa.string()),
+        ("checksum", pa.string()),
     ]
 )
 
@@ -49,7 +49,7 @@ class ManifestRow:
     sample_end: int
     num_tokens: int
     num_bytes: int
-    sha256: str
+    checksum: str  # eyas.checksum (xxh3-128:...)
 
 
 def row_name(shard_index: int) -> str:
@@ -59,7 +59,7 @@ def row_name(shard_index: int) -> str:
 def _read_compacted(store: Storage) -> list[ManifestRow]:
     if not store.exists(MANIFEST_NAME):
         return []
-    table = pq.read_table(io.BytesIO(store.get_bytes(MANIFEST_NAME, sha256=None)))
+    table = pq.read_table(io.BytesIO(store.get_bytes(MANIFEST_NAME)))
     if table.schema.names != MANIFEST_SCHEMA.names:
         raise ValueError(
             f"{store.url}/{MANIFEST_NAME}: columns {table.schema.names}, expected {MANIFEST_SCHEMA.names}; "

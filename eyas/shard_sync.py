@@ -3,17 +3,18 @@
 With `extract.storage_url` empty the shards are written straight into the run's shards dir. With
 `s3://bucket/prefix` they are written to S3 (which outlives the machine) and `sync_to_local`
 downloads into the run's shards dir every shard whose local copy is missing or of another size,
-each checked against its manifest sha256 as it arrives, then writes the local manifest.
+each checked against its manifest checksum as it arrives, then writes the local manifest.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from eyas.checksum import checksum_bytes, short
 from eyas.config import ExtractConfig
 from eyas.extract import RUN_META_NAME
 from eyas.manifest import read_manifest, write_manifest
-from eyas.storage import LocalStorage, Storage, open_storage
+from eyas.storage import ChecksumMismatchError, LocalStorage, Storage, open_storage
 
 
 def shard_storage(extract_cfg: ExtractConfig, shards_dir: str | Path) -> Storage:
@@ -34,7 +35,19 @@ def sync_to_local(source: Storage, shards_dir: str | Path) -> dict:
     fetched = 0
     for row in rows:
         if listing.get(row.file) != row.num_bytes:
-            local.put_bytes(row.file, source.get_bytes(row.file, sha256=row.sha256))
+            local.put_bytes(row.file, _fetch(source, row))
             fetched += 1
     write_manifest(local, rows)
     return {"fetched": fetched, "kept": len(rows) - fetched}
+
+
+def _fetch(source: Storage, row) -> bytes:
+    data = source.get_bytes(row.file)
+    found = checksum_bytes(data)
+    if found != row.checksum:
+        raise ChecksumMismatchError(
+            f"{source.url}/{row.file}: checksum {short(found)} of the bytes read, the manifest says "
+            f"{short(row.checksum)}; the stored shard is corrupt: quarantine it (drop its manifest row with "
+            f"eyas.manifest.drop_manifest_rows) and extract again"
+        )
+    return data

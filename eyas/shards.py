@@ -15,7 +15,6 @@ recorded (eyas.manifest). A shard file without a manifest row is therefore an un
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from eyas.checksum import checksum_bytes
 from eyas.manifest import ManifestRow
 from eyas.storage import Storage, as_storage
 
@@ -133,14 +133,6 @@ class ShardMeta:
         return cls(**values)
 
 
-def sha256_file(path: Path, *, chunk_bytes: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -192,7 +184,7 @@ def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor],
         )
     data = serialize_shard(tensors, meta.to_metadata())
     name = shard_filename(meta.shard_index)
-    digest = as_storage(where).put_bytes(name, data)
+    as_storage(where).put_bytes(name, data)
     return ManifestRow(
         shard_index=meta.shard_index,
         file=name,
@@ -200,7 +192,7 @@ def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor],
         sample_end=meta.sample_end,
         num_tokens=int(tensors["input_ids"].shape[0]),
         num_bytes=len(data),
-        sha256=digest,
+        checksum=checksum_bytes(data),
     )
 
 

@@ -113,7 +113,7 @@ def write_shards(shards_dir: Path, samples: list[dict], per_shard: int, fingerpr
                 "sample_end": start + len(chunk),
                 "num_tokens": int(lengths.sum()),
                 "num_bytes": (shards_dir / name).stat().st_size,
-                "sha256": "0" * 64,
+                "checksum": "xxh3-128:" + "0" * 32,
             }
         )
     pq.write_table(pa.Table.from_pylist(rows), shards_dir / "manifest.parquet")

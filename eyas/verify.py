@@ -4,7 +4,7 @@
     write_verify_report(report, "verify/report.parquet"); raise_if_bad(report)
 
 Cheap mode reads headers, metadata, sizes, offsets and the manifest; full mode also reads every byte
-once (sha256 and finiteness in the same streamed pass, see `eyas.verify_checks`) and compares
+once (checksum and finiteness in the same streamed pass, see `eyas.verify_checks`) and compares
 `input_ids` and `loss_mask` with the tokenized dataset. Shards are checked in parallel threads
 (hashlib, numpy and file reads release the GIL). Each shard stops at its first failing check, which
 becomes its reason. `quarantine_bad_shards(dir, report)` moves bad shards aside with their reasons;

@@ -2,14 +2,13 @@
 
 Headers are parsed here (8-byte little-endian length, JSON), not through `safe_open`, so cheap mode
 costs one open, two small reads and a few small `pread`s per shard. Full mode reads every byte once,
-in chunks of `chunk_bytes` into a buffer reused by the thread: each chunk feeds the sha256 and, inside
+in chunks of `chunk_bytes` into a buffer reused by the thread: each chunk feeds the checksum and, inside
 the hidden-state tensors, an exact finiteness test on the exponent bits (float32, bfloat16, float16).
 Memory per shard in flight is one chunk, whatever the shard's size.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from eyas.checksum import format_digest, new_hasher, short
 from eyas.manifest import ManifestRow
 from eyas.shards import FORMAT_VERSION, SHARD_TENSOR_NAMES, ShardMeta, TokenizedDataset, shard_filename
 from eyas.target import LAYER_ID_CONVENTION
@@ -84,7 +84,7 @@ class ShardState:
     meta: ShardMeta | None = None
     tensors: dict[str, TensorSpan] = field(default_factory=dict)
     offsets: np.ndarray | None = None
-    nonfinite: str = ""  # set by check_sha256's pass, raised by check_finite
+    nonfinite: str = ""  # set by check_checksum's pass, raised by check_finite
 
     def read(self, span: TensorSpan, dtype: str) -> np.ndarray:
         return self.read_pair(span, span, dtype)[0]
@@ -293,9 +293,9 @@ def _first_nonfinite(chunk: memoryview, dtype: str) -> int:
     return int(np.flatnonzero(bits >= inf)[0])
 
 
-def check_sha256(s: ShardState) -> None:
-    """One pass over every byte: sha256 against the manifest, and the first non-finite hidden value."""
-    h, buf = hashlib.sha256(), _chunk_buffer(s.ctx.chunk_bytes)
+def check_checksum(s: ShardState) -> None:
+    """One pass over every byte: the checksum against the manifest, and the first non-finite hidden value."""
+    h, buf = new_hasher(), _chunk_buffer(s.ctx.chunk_bytes)
     for start, end, name in _regions(s):
         span = s.tensors.get(name) if name else None
         item = ST_ITEMSIZE.get(span.dtype, 1) if span else 1
@@ -310,10 +310,10 @@ def check_sha256(s: ShardState) -> None:
                 if i >= 0:
                     token = ((pos - span.start) // item + i) // span.shape[1]
                     s.nonfinite = f"{name} has non-finite values (first at token {token}, sample {s.sample_of(token)})"
-    digest = h.hexdigest()
-    if digest != s.row.sha256:
+    digest = format_digest(h)
+    if digest != s.row.checksum:
         raise Bad(
-            f"checksum mismatch: sha256 {digest[:16]}..., the manifest says {s.row.sha256[:16]}... "
+            f"checksum mismatch: {short(digest)}, the manifest says {short(s.row.checksum)} "
             f"(bytes changed after writing: disk or copy corruption); {FIX}"
         )
 
@@ -348,4 +348,4 @@ CHEAP_CHECKS = [
     ("layout", check_layout),
     ("offsets", check_offsets),
 ]
-FULL_CHECKS = [*CHEAP_CHECKS, ("sha256", check_sha256), ("finite", check_finite), ("dataset", check_dataset)]
+FULL_CHECKS = [*CHEAP_CHECKS, ("checksum", check_checksum), ("finite", check_finite), ("dataset", check_dataset)]

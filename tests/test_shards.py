@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from eyas.checksum import checksum_file
 from eyas.manifest import MANIFEST_NAME, ManifestRow, append_manifest_row, quarantine_shards, read_manifest
 from eyas.shards import (
     TOKEN_OVERHEAD_BYTES,
@@ -18,7 +19,6 @@ from eyas.shards import (
     bytes_per_token,
     load_shard,
     plan_shards,
-    sha256_file,
     shard_filename,
     write_shard,
 )
@@ -115,7 +115,7 @@ def test_write_shard_round_trips_and_leaves_no_temporary(tmp_path):
     tensors = _tensors()
     row = write_shard(tmp_path, tensors, _meta())
     path = tmp_path / shard_filename(0)
-    assert row == ManifestRow(0, "shard-00000.safetensors", 0, 2, 5, path.stat().st_size, sha256_file(path))
+    assert row == ManifestRow(0, "shard-00000.safetensors", 0, 2, 5, path.stat().st_size, checksum_file(path))
     loaded, meta = load_shard(path)
     assert meta == _meta()
     for k, v in tensors.items():

@@ -89,7 +89,7 @@ def test_good_shards_pass_both_modes(shards, extracted):
         "metadata",
         "layout",
         "offsets",
-        "sha256",
+        "checksum",
         "finite",
         "dataset",
     ]
@@ -104,7 +104,7 @@ def test_flipped_byte_fails_checksum_in_full_mode_only(shards, extracted):
     assert _verify(shards, extracted, "cheap").ok  # cheap mode reads no tensor bytes
     reasons = _bad_reasons(_verify(shards, extracted, "full"))
     assert list(reasons) == ["shard-00001.safetensors"]
-    assert reasons["shard-00001.safetensors"].startswith("shard-00001.safetensors: checksum mismatch: sha256 ")
+    assert reasons["shard-00001.safetensors"].startswith("shard-00001.safetensors: checksum mismatch: xxh3-128:")
     assert "the manifest says" in reasons["shard-00001.safetensors"]
 
 

@@ -25,7 +25,12 @@ def start_server(api_url: str, state_dir: Path, wait_s: float = 120.0) -> subpro
     """Start `prefect server start` detached (it outlives this command); wait until healthy."""
     host, port = api_url.split("//")[1].split("/")[0].split(":")
     state_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PREFECT_HOME": str(state_dir), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(state_dir),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_PORT": port,  # the UI finds the API through this, not through --port
+    }
     env.pop("PREFECT_API_URL", None)
     log = open(state_dir / "server.log", "ab")
     proc = subprocess.Popen(

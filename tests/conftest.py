@@ -14,6 +14,7 @@ TINY_TARGET = REPO / "fixtures" / "tiny-target"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped when none is visible")
     config.addinivalue_line("markers", "e2e: runs the whole pipeline against a real Prefect server")
+    config.addinivalue_line("markers", "browser: drives the Prefect UI in headless Chromium (runs in the normal suite)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -83,7 +84,13 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # the UI finds the API through PREFECT_SERVER_API_PORT, not through --port
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_PORT": str(port),
+    }
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "wb")
     proc = subprocess.Popen(

@@ -4,7 +4,6 @@ byte-identical to an uninterrupted run's, with no sample lost and none duplicate
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

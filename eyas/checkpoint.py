@@ -3,12 +3,14 @@
 Each checkpoint is written into a temporary sibling directory, every file fsynced, the directory
 renamed into place and fsynced, and only then the `COMPLETE` marker written (and fsynced). A
 directory without the marker is never loaded: a crash at any instant leaves either the previous
-complete checkpoint or the new one. Contents:
+complete checkpoint or the new one. The state is always the full (unsharded) one, written by rank 0,
+whether the run used DDP or FSDP2 (`eyas.parallel`): a checkpoint resumes under either, on any world
+size. Contents:
 
   model.safetensors    the full draft state dict (embed_tokens, d2t, t2d included)
   arch.json            {"arch": DraftArch.to_dict(), "aux_layer_ids", "layer_id_convention",
                         "target_fingerprint"}; the exporter reads this and model.safetensors
-  optimizer.pt         optimizer.state_dict()
+  optimizer.pt         optimizer.state_dict() of an unsharded draft (integer parameter ids)
   scheduler.pt         lr scheduler state_dict()
   rng.pt               torch (and CUDA) RNG states
   trainer_state.json   {"step", "samples_consumed", "epoch", "world_size", ...}
@@ -30,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.draft import DraftArch, Eagle3Draft
 from eyas.fsio import fsync_path
+from eyas.parallel import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from eyas.target import LAYER_ID_CONVENTION
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -97,38 +100,71 @@ def save_checkpoint(
     target_fingerprint: str,
     keep_last: int,
 ) -> Path:
-    """Write step `step` durably (see the module docstring), then keep only the newest `keep_last`."""
+    """Write step `step` of an unsharded draft (one process, or rank 0 of DDP); see `write_checkpoint`."""
+    return write_checkpoint(
+        output_dir,
+        step,
+        model_state=full_model_state(draft),
+        optimizer_state=full_optimizer_state(draft, optimizer),
+        scheduler_state=scheduler.state_dict(),
+        arch=draft.arch,
+        trainer_state=trainer_state,
+        aux_layer_ids=aux_layer_ids,
+        target_fingerprint=target_fingerprint,
+        keep_last=keep_last,
+    )
+
+
+def write_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    scheduler_state: dict,
+    arch: DraftArch,
+    trainer_state: dict,
+    aux_layer_ids: list[int],
+    target_fingerprint: str,
+    keep_last: int,
+) -> Path:
+    """Write step `step` durably from full (unsharded, CPU) state dicts, then keep only the newest
+    `keep_last`; see the module docstring. Rank 0 alone calls it."""
     root = Path(output_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     temp = root / f"{TEMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
-    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    save_file(state, temp / MODEL_FILE, metadata={"format": "eyas"})
-    arch = {
-        "arch": draft.arch.to_dict(),
+    save_file(model_state, temp / MODEL_FILE, metadata={"format": "eyas"})
+    meta = {
+        "arch": arch.to_dict(),
         "aux_layer_ids": list(aux_layer_ids),
         "layer_id_convention": LAYER_ID_CONVENTION,
         "target_fingerprint": target_fingerprint,
     }
-    _write_json(temp / ARCH_FILE, arch)
-    torch.save(optimizer.state_dict(), temp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), temp / "scheduler.pt")
+    _write_json(temp / ARCH_FILE, meta)
+    torch.save(optimizer_state, temp / "optimizer.pt")
+    torch.save(scheduler_state, temp / "scheduler.pt")
     torch.save(rng_state(), temp / "rng.pt")
     _write_json(temp / TRAINER_STATE_FILE, {**trainer_state, "step": step})
+    commit_step_dir(temp, final, f"{step}\n")
+    rotate_checkpoints(output_dir, keep_last)
+    return final
+
+
+def commit_step_dir(temp: Path, final: Path, marker_text: str) -> None:
+    """fsync every file of `temp` and `temp` itself, rename it to `final`, then write the COMPLETE marker."""
     for path in temp.iterdir():
         fsync_path(path)
     fsync_path(temp)
     if final.exists():  # an incomplete dir left by a crash, or a step being re-saved
         shutil.rmtree(final)
     temp.rename(final)
-    fsync_path(root)
-    (final / COMPLETE_MARKER).write_text(f"{step}\n")
+    fsync_path(final.parent)
+    (final / COMPLETE_MARKER).write_text(marker_text)
     fsync_path(final / COMPLETE_MARKER)
     fsync_path(final)
-    rotate_checkpoints(output_dir, keep_last)
-    return final
 
 
 def rotate_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
@@ -163,7 +199,8 @@ def read_arch(checkpoint_dir: str | Path) -> dict:
 
 
 def load_model_state(draft: Eagle3Draft, checkpoint_dir: str | Path) -> None:
-    """Load model.safetensors into `draft`: every key and shape must match, else one sorted error."""
+    """Load model.safetensors into `draft` (sharded or not): every key and shape must match, else one
+    sorted error."""
     path = Path(checkpoint_dir) / MODEL_FILE
     state = load_file(path)
     expected = draft.state_dict()
@@ -182,7 +219,7 @@ def load_model_state(draft: Eagle3Draft, checkpoint_dir: str | Path) -> None:
     )
     if wrong:
         raise CheckpointError(f"checkpoint {path}: wrong shapes {wrong}; its arch.json does not describe these weights")
-    draft.load_state_dict(state, strict=True)
+    load_full_model_state(draft, state)
 
 
 def load_draft(checkpoint_dir: str | Path) -> tuple[Eagle3Draft, dict]:
@@ -204,7 +241,9 @@ def load_training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict:
-    """Restore model, optimizer, scheduler and RNG from a complete checkpoint; returns trainer_state."""
+    """Restore model, optimizer, scheduler and RNG from a complete checkpoint; returns trainer_state.
+
+    Every rank calls it with its own (DDP replica or FSDP2-sharded) draft and the optimizer over it."""
     checkpoint_dir = Path(checkpoint_dir)
     _require_complete(checkpoint_dir)
     saved = read_arch(checkpoint_dir)["arch"]
@@ -214,7 +253,8 @@ def load_training_state(
             f"{draft.arch.to_dict()}; resume with the same draft config or use a new output_dir"
         )
     load_model_state(draft, checkpoint_dir)
-    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True))
+    optimizer_state = torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+    load_full_optimizer_state(draft, optimizer, optimizer_state)
     scheduler.load_state_dict(torch.load(checkpoint_dir / "scheduler.pt", map_location="cpu", weights_only=True))
     set_rng_state(torch.load(checkpoint_dir / "rng.pt", map_location="cpu", weights_only=True))
     return json.loads((checkpoint_dir / TRAINER_STATE_FILE).read_text())

@@ -170,6 +170,41 @@ class TrainConfig(StrictModel):
     max_idle_gpu_memory_mib: int = Field(
         default=1024, ge=0, description="preflight: a GPU using more memory than this before launch counts as busy"
     )
+    parallelism: Literal["ddp", "fsdp2"] = Field(
+        default="ddp",
+        description="ddp: a full replica of the draft on every rank; fsdp2: parameters, gradients and AdamW state "
+        "sharded over the ranks (torch fully_shard), for drafts whose large vocabularies do not fit replicated. "
+        "Checkpoints are the same full state either way: a run resumes under the other mode or world size",
+    )
+    checkpoint_copy_url: str = Field(
+        default="",
+        description="empty = off; s3://bucket/prefix (or an absolute directory, e.g. a network mount) = rank 0 "
+        "copies every complete checkpoint there (each file's checksum in a manifest, the completion marker last) "
+        "and keeps the newest keep_last_checkpoints; a run whose output_dir lacks the copy's newest checkpoint "
+        "restores it first (a fresh machine resumes). The other ranks wait while rank 0 copies. Each request is "
+        "retried by the storage layer (transient errors with backoff, damaged uploads re-sent); a copy that still "
+        "fails stops the run with the error: the local checkpoint is complete, and a re-run resumes from it and "
+        "copies it again",
+    )
+    s3_endpoint_url: str = Field(
+        default="",
+        description="S3 API endpoint of checkpoint_copy_url (MinIO, a local server); empty = AWS or $AWS_ENDPOINT_URL",
+    )
+
+    @model_validator(mode="after")
+    def _copy_url_is_usable(self) -> "TrainConfig":
+        url = self.checkpoint_copy_url
+        if url and not (url.startswith("s3://") and len(url) > len("s3://") or url.startswith("/")):
+            raise ValueError(
+                f"train.checkpoint_copy_url={url!r}: expected empty (no copy), s3://bucket/prefix, or an absolute "
+                f"directory path"
+            )
+        if self.s3_endpoint_url and not url.startswith("s3://"):
+            raise ValueError(
+                f"train.s3_endpoint_url={self.s3_endpoint_url!r} would do nothing: train.checkpoint_copy_url="
+                f"{url!r} is not an s3:// URL; set checkpoint_copy_url to s3://bucket/prefix or clear s3_endpoint_url"
+            )
+        return self
 
 
 class SmokeConfig(StrictModel):
@@ -180,7 +215,11 @@ class SmokeConfig(StrictModel):
 
 
 class ApprovalConfig(StrictModel):
-    timeout_s: int = Field(default=7 * 24 * 3600, ge=10, description="how long the gate waits for a person")
+    timeout_s: int = Field(
+        default=7 * 24 * 3600,
+        ge=10,
+        description="how long the gate waits for a person; then the run fails and nothing is trained",
+    )
     gpu_hours_per_step: float = Field(default=0.0, ge=0, description="for the estimate shown at the gate")
 
 

@@ -2,22 +2,23 @@
 
     store = open_storage("runs/demo/shards")                  # or "s3://bucket/prefix", endpoint_url=...
     store.put_bytes("shard-00000.safetensors", data)          # atomic, checksum verified by the receiver
-    data = store.get_bytes("shard-00000.safetensors", sha256=row.sha256)   # checksum verified on read
+    data = store.get_bytes("shard-00000.safetensors", checksum=row.checksum)   # verified on read
     store.list()                                              # {name: size}
 
 Guarantees of both: an object is either absent or complete (local: temporary -> fsync -> rename;
 S3: one PUT, or a multipart upload that becomes visible only when completed); a write records the
-object's sha256 (S3: object metadata) and a read that does not match it is retried, then refused.
+object's checksum (eyas.checksum, XXH3-128; on S3 in the object's metadata) and a read that does
+not match it is retried, then refused.
 `remove_partial()` deletes what interrupted writes left (local temporaries, S3 unfinished uploads).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Protocol
 
+from eyas.checksum import checksum_bytes, short
 from eyas.fsio import TMP_MARKER, atomic_write_bytes
 
 
@@ -29,10 +30,10 @@ class Storage(Protocol):
     url: str
 
     def put_bytes(self, name: str, data: bytes) -> str:
-        """Write `name` atomically; return its sha256."""
+        """Write `name` atomically; return its checksum (eyas.checksum)."""
 
-    def get_bytes(self, name: str, *, sha256: str | None = None) -> bytes:
-        """Read `name` whole, checked against `sha256` (or the checksum recorded at write)."""
+    def get_bytes(self, name: str, *, checksum: str | None = None) -> bytes:
+        """Read `name` whole, checked against `checksum` (or, on S3, the one recorded at write)."""
 
     def list(self, prefix: str = "") -> dict[str, int]:
         """{name: size} of the complete objects directly under `prefix` ("" or "dir/"; not recursive)."""
@@ -48,15 +49,11 @@ class Storage(Protocol):
         """The directory, when the storage is a local one (readers may then mmap files in place)."""
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def check_sha256(data: bytes, expected: str, *, source: str) -> None:
-    found = sha256_hex(data)
+def check_checksum(data: bytes, expected: str, *, source: str) -> None:
+    found = checksum_bytes(data)
     if found != expected:
         raise ChecksumMismatchError(
-            f"{source}: sha256 {found[:16]}... of {len(data)} bytes read, expected {expected[:16]}...; the object "
+            f"{source}: checksum {short(found)} of {len(data)} bytes read, expected {short(expected)}; the object "
             f"is corrupt or was replaced; verification quarantines it and extraction rewrites it"
         )
 
@@ -77,12 +74,12 @@ class LocalStorage:
         path = self._path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, data)
-        return sha256_hex(data)
+        return checksum_bytes(data)
 
-    def get_bytes(self, name: str, *, sha256: str | None = None) -> bytes:
+    def get_bytes(self, name: str, *, checksum: str | None = None) -> bytes:
         data = self._path(name).read_bytes()
-        if sha256 is not None:
-            check_sha256(data, sha256, source=str(self._path(name)))
+        if checksum is not None:
+            check_checksum(data, checksum, source=str(self._path(name)))
         return data
 
     def list(self, prefix: str = "") -> dict[str, int]:

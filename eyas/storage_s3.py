@@ -7,9 +7,9 @@ reader ever sees a partial object. The ETag the server computed from what it rec
 the body, per part for multipart uploads) is compared with the local MD5 as well, so a body damaged
 on the way is sent again even by servers that ignore the checksum header; after
 `num_write_attempts` the object is deleted and the write refused. Servers whose ETag is not an MD5
-(SSE-KMS) are checked by their SHA-256 only. The whole object's sha256 is kept in the `eyas-sha256`
-metadata.
-Reads: the body's sha256 must equal the expected one (the manifest's, else the metadata's); a
+(SSE-KMS) are checked by their SHA-256 only. The object's checksum (eyas.checksum) is kept in the
+`eyas-checksum` metadata.
+Reads: the body's checksum must equal the expected one (the manifest's, else the metadata's); a
 mismatch or a broken stream is retried `num_read_attempts` times, then refused.
 Transient failures (throttling, 5xx, connection errors, timeouts) are retried by botocore's
 `standard` mode with exponential backoff and jitter, `max_attempts` tries per request.
@@ -26,9 +26,10 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError, ResponseStreamingError
 
-from eyas.storage import ChecksumMismatchError, check_sha256, sha256_hex
+from eyas.checksum import checksum_bytes
+from eyas.storage import ChecksumMismatchError, check_checksum
 
-SHA_META_KEY = "eyas-sha256"
+CHECKSUM_META_KEY = "eyas-checksum"
 MIN_PART_BYTES = 5 << 20  # S3's minimum for every part but the last
 
 
@@ -86,7 +87,7 @@ class S3Storage:
         return self.prefix + name
 
     def put_bytes(self, name: str, data: bytes) -> str:
-        digest = sha256_hex(data)
+        digest = checksum_bytes(data)
         if len(data) >= self.multipart_threshold_bytes:
             self._put_multipart(name, memoryview(data), digest)
             return digest
@@ -97,7 +98,7 @@ class S3Storage:
                 Key=self._key(name),
                 Body=data,
                 ChecksumSHA256=_b64_sha256(data),
-                Metadata={SHA_META_KEY: digest},
+                Metadata={CHECKSUM_META_KEY: digest},
             )
             if _etag_matches(answer["ETag"], [md5]):
                 return digest
@@ -134,7 +135,7 @@ class S3Storage:
     def _put_multipart(self, name: str, data: memoryview, digest: str) -> None:
         key = self._key(name)
         upload = self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata={SHA_META_KEY: digest}
+            Bucket=self.bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata={CHECKSUM_META_KEY: digest}
         )
         upload_id = upload["UploadId"]
         try:
@@ -156,19 +157,19 @@ class S3Storage:
                 name, answer["ETag"], f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
             )
 
-    def get_bytes(self, name: str, *, sha256: str | None = None) -> bytes:
+    def get_bytes(self, name: str, *, checksum: str | None = None) -> bytes:
         source = f"{self.url}/{name}"
         for attempt in range(1, self.num_read_attempts + 1):
             try:
                 answer = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
                 data = answer["Body"].read()
-                expected = sha256 or answer.get("Metadata", {}).get(SHA_META_KEY)
+                expected = checksum or answer.get("Metadata", {}).get(CHECKSUM_META_KEY)
                 if expected is None:
                     raise ChecksumMismatchError(
-                        f"{source}: no expected checksum (none given, no {SHA_META_KEY} metadata); the object was "
+                        f"{source}: no expected checksum (none given, no {CHECKSUM_META_KEY} metadata); the object was "
                         f"not written by eyas.storage"
                     )
-                check_sha256(data, expected, source=source)
+                check_checksum(data, expected, source=source)
                 return data
             except (ChecksumMismatchError, ResponseStreamingError):
                 if attempt == self.num_read_attempts:

@@ -9,7 +9,8 @@ import pytest
 from botocore.exceptions import ClientError
 from s3_server import Fault
 
-from eyas.storage import ChecksumMismatchError, LocalStorage, open_storage, sha256_hex
+from eyas.checksum import checksum_bytes
+from eyas.storage import ChecksumMismatchError, LocalStorage, open_storage
 from eyas.storage_s3 import MIN_PART_BYTES, S3Storage
 
 
@@ -29,8 +30,8 @@ def store(request, tmp_path):
 def test_put_get_list_delete_round_trip(store):
     digest = store.put_bytes("shard-00000.safetensors", b"abc" * 1000)
     store.put_bytes("rows/shard-00000.json", b"{}")
-    assert digest == sha256_hex(b"abc" * 1000)
-    assert store.get_bytes("shard-00000.safetensors", sha256=digest) == b"abc" * 1000
+    assert digest == checksum_bytes(b"abc" * 1000)
+    assert store.get_bytes("shard-00000.safetensors", checksum=digest) == b"abc" * 1000
     assert store.list() == {"shard-00000.safetensors": 3000}
     assert store.list("rows/") == {"rows/shard-00000.json": 2}
     store.delete("rows/shard-00000.json")
@@ -39,8 +40,8 @@ def test_put_get_list_delete_round_trip(store):
 
 def test_read_with_wrong_checksum_is_refused(store):
     store.put_bytes("a.bin", b"payload")
-    with pytest.raises(ChecksumMismatchError, match=r"a.bin: sha256 .* of 7 bytes read, expected 0000"):
-        store.get_bytes("a.bin", sha256="0" * 64)
+    with pytest.raises(ChecksumMismatchError, match=r"a.bin: checksum xxh3-128:.* of 7 bytes read, expected xxh3-128:0000"):
+        store.get_bytes("a.bin", checksum="xxh3-128:" + "0" * 32)
 
 
 def test_open_storage_dispatches_on_the_url(tmp_path):
@@ -66,7 +67,7 @@ def test_large_object_goes_up_in_parts_with_checksums(s3_bucket, s3_endpoint, fa
     assert fault_proxy.count("PUT", "partNumber=") == 3
     assert store.get_bytes("big.safetensors") == data
     head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=s3_bucket, Key="run/shards/big.safetensors")
-    assert head["Metadata"]["eyas-sha256"] == digest
+    assert head["Metadata"]["eyas-checksum"] == digest
 
 
 def test_failed_multipart_upload_leaves_no_object_and_no_parts(s3_bucket, s3_endpoint, fault_proxy):
@@ -114,7 +115,7 @@ def test_corrupted_read_is_retried_then_refused(s3_bucket, fault_proxy):
     fault_proxy.faults.append(Fault("GET", "a.bin", "corrupt", times=1))
     assert store.get_bytes("a.bin") == b"0123456789"  # one bad body, read again
     fault_proxy.faults.append(Fault("GET", "a.bin", "corrupt", times=3))
-    with pytest.raises(ChecksumMismatchError, match="a.bin: sha256"):
+    with pytest.raises(ChecksumMismatchError, match="a.bin: checksum"):
         store.get_bytes("a.bin")
     assert fault_proxy.count("GET", "a.bin") == 2 + 3
 

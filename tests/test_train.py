@@ -123,7 +123,7 @@ def test_rerun_resumes_on_one_process_with_the_same_sample_order(two_rank_run, t
     stdout, metrics = run_trainer(job_path, nproc=None)
     assert re.search(
         r"resumed from \S+step-00000004 at step 4 \(32 samples consumed, saved with world size 2, "
-        r"now 1\)",
+        r"now 1; saved under ddp, now ddp\)",
         stdout,
     ), stdout
     assert [m["step"] for m in metrics] == [5, 6]

@@ -1,5 +1,5 @@
-"""Crash safety of the trainer: a 2-process run killed with SIGKILL at a random step resumes to weights
-bit-identical to an uninterrupted run's."""
+"""Crash safety of the trainer: a 2-process run (DDP, and FSDP2) killed with SIGKILL at a random step resumes
+to weights bit-identical to an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_data import tiny_job, write_tiny_run
@@ -67,21 +68,29 @@ def workers_of(job_path: Path) -> list[int]:
     return pids
 
 
-def write_job(run: dict, out: Path) -> Path:
+def write_job(run: dict, out: Path, parallelism: str) -> Path:
     job = tiny_job(
-        run, out, num_epochs=10, max_steps=STEPS, global_batch_size=8, save_every_steps=3, keep_last_checkpoints=2
+        run,
+        out,
+        num_epochs=10,
+        max_steps=STEPS,
+        global_batch_size=8,
+        save_every_steps=3,
+        keep_last_checkpoints=2,
+        parallelism=parallelism,
     )
     path = out.parent / f"{out.name}.json"
     path.write_text(job.model_dump_json())
     return path
 
 
-def test_sigkill_at_a_random_step_resumes_bit_identical(tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_sigkill_at_a_random_step_resumes_bit_identical(tmp_path, parallelism):
     run = write_tiny_run(tmp_path / "run", num_samples=32)
-    run_to_end(write_job(run, tmp_path / "reference"))
+    run_to_end(write_job(run, tmp_path / "reference", parallelism))
     reference = load_file(latest_complete(tmp_path / "reference") / "model.safetensors")
 
-    crashed_job = write_job(run, tmp_path / "crashed")
+    crashed_job = write_job(run, tmp_path / "crashed", parallelism)
     kill_step = random.Random(os.getpid()).randint(4, STEPS // 2)
     kill_at_step(crashed_job, kill_step)
     survivor = latest_complete(tmp_path / "crashed")

@@ -1,25 +1,55 @@
-"""The trainer on a CUDA device: one NCCL process, bf16 autocast. Skipped without a GPU."""
+"""The trainer on a CUDA device: one NCCL process, bf16 autocast, DDP and FSDP2. Skipped without a GPU."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 from test_data import tiny_job, write_tiny_run
 
+from eyas.checkpoint import latest_complete
+from eyas.parallel import full_model_state, is_sharded
 from eyas.train import Dist, Trainer
 
 pytestmark = pytest.mark.gpu
 
 
-def test_one_cuda_step_in_bf16_lowers_nothing_to_nan(tmp_path):
-    import torch.distributed as dist
-
-    run = write_tiny_run(tmp_path / "run", num_samples=16)
-    job = tiny_job(run, tmp_path / "out", backend="nccl", num_processes=1, max_steps=2, global_batch_size=8)
+@pytest.fixture
+def nccl_process():
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        trainer = Trainer(job, Dist(rank=0, world=1, device=torch.device("cuda", 0)))
-        record = trainer.train_one_step(0.0)
-        assert trainer.model.module.bf16
-        assert torch.isfinite(torch.tensor(record["loss"]))
-        assert next(trainer.draft.parameters()).device.type == "cuda"
-    finally:
-        dist.destroy_process_group()
+    yield Dist(rank=0, world=1, device=torch.device("cuda", 0))
+    dist.destroy_process_group()
+
+
+def cuda_job(tmp_path, parallelism: str):
+    run = write_tiny_run(tmp_path / "run", num_samples=16)
+    return tiny_job(
+        run,
+        tmp_path / "out",
+        backend="nccl",
+        num_processes=1,
+        max_steps=2,
+        global_batch_size=8,
+        parallelism=parallelism,
+    )
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_one_cuda_step_in_bf16_lowers_nothing_to_nan(tmp_path, nccl_process, parallelism):
+    trainer = Trainer(cuda_job(tmp_path, parallelism), nccl_process)
+    record = trainer.train_one_step(0.0)
+    objective = trainer.model.module if parallelism == "ddp" else trainer.model
+    assert objective.bf16 and is_sharded(trainer.draft) == (parallelism == "fsdp2")
+    assert torch.isfinite(torch.tensor(record["loss"])) and record["grad_norm"] > 0
+    assert next(trainer.draft.parameters()).device.type == "cuda"
+
+
+def test_a_cuda_fsdp2_checkpoint_resumes_to_the_same_weights(tmp_path, nccl_process):
+    job = cuda_job(tmp_path, "fsdp2")
+    trainer = Trainer(job, nccl_process)
+    trainer.train_one_step(0.0)
+    trainer.save(epoch=0)
+    saved = load_file(latest_complete(job.output_dir) / "model.safetensors")
+    resumed = Trainer(job, nccl_process)
+    assert resumed.step == 1
+    state = full_model_state(resumed.draft)
+    assert sorted(k for k in saved if not torch.equal(saved[k], state[k])) == []

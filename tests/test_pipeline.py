@@ -101,6 +101,7 @@ def test_rejected_gate_never_starts_torchrun(prefect_server, e2e_config):
     assert not (e2e_config.paths.root / "approval.json").exists()
 
 
+@pytest.mark.timeout(1800)  # the whole pipeline, 30 epochs: ~5 min alone, up to 15 on a shared 2-core machine
 def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server, e2e_config):
     (e2e_config.paths.root / "approval.json").unlink(missing_ok=True)
     state, answered = run_pipeline_answering(e2e_config, approve=True)

@@ -50,7 +50,7 @@ __all__ = [
     "write_verify_report",
 ]
 
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 512 << 10  # fits a core's L2 cache: read once from memory, then hashed and tested in cache
 
 
 class ShardVerificationError(RuntimeError):

@@ -4,6 +4,8 @@ Headers are parsed here (8-byte little-endian length, JSON), not through `safe_o
 costs one open, two small reads and a few small `pread`s per shard. Full mode reads every byte once,
 in chunks of `chunk_bytes` into a buffer reused by the thread: each chunk feeds the checksum and, inside
 the hidden-state tensors, an exact finiteness test on the exponent bits (float32, bfloat16, float16).
+A chunk that fits the core's cache (the default 512 KiB) is read from memory once, by the copy out of
+the page cache; the hash and the finiteness test then find it in cache.
 Memory per shard in flight is one chunk, whatever the shard's size.
 """
 
@@ -25,11 +27,12 @@ from eyas.target import LAYER_ID_CONVENTION
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-# Unsigned view, mask dropping the sign, smallest pattern with an all-ones exponent (inf; above it NaN).
+# Unsigned and signed views, mask dropping the sign, smallest pattern with an all-ones exponent (inf;
+# above it NaN), and the sign bit.
 _NONFINITE = {
-    "F32": (np.uint32, 0x7FFFFFFF, 0x7F800000),
-    "BF16": (np.uint16, 0x7FFF, 0x7F80),
-    "F16": (np.uint16, 0x7FFF, 0x7C00),
+    "F32": (np.uint32, np.int32, 0x7FFFFFFF, 0x7F800000, 0x80000000),
+    "BF16": (np.uint16, np.int16, 0x7FFF, 0x7F80, 0x8000),
+    "F16": (np.uint16, np.int16, 0x7FFF, 0x7C00, 0x8000),
 }
 HIDDEN_TENSORS = ("aux_hidden_states", "last_hidden_states")
 MAX_HEADER_BYTES = 100 << 20
@@ -285,12 +288,16 @@ def _regions(s: ShardState) -> list[tuple[int, int, str | None]]:
 
 
 def _first_nonfinite(chunk: memoryview, dtype: str) -> int:
-    """Index of the first NaN/inf value in `chunk`, or -1 (integer test on the exponent bits)."""
-    utype, mask, inf = _NONFINITE[dtype]
-    bits = np.frombuffer(chunk, dtype=utype) & utype(mask)
-    if bits.max(initial=0) < inf:
+    """Index of the first NaN/inf value in `chunk`, or -1 (integer tests on the exponent bits).
+
+    The usual case (all finite) costs two max-reductions and no allocation: as unsigned integers the
+    negative NaN/-inf patterns are the largest of all, as signed integers the positive NaN/+inf ones are.
+    """
+    utype, stype, mask, inf, sign = _NONFINITE[dtype]
+    bits = np.frombuffer(chunk, dtype=utype)
+    if bits.max(initial=0) < (inf | sign) and bits.view(stype).max(initial=0) < inf:
         return -1
-    return int(np.flatnonzero(bits >= inf)[0])
+    return int(np.flatnonzero((bits & utype(mask)) >= inf)[0])
 
 
 def check_checksum(s: ShardState) -> None:

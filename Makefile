@@ -5,10 +5,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# the browser test drives the Prefect UI with Debian's Chromium (as root, e.g. in CI, the install step
+# apt-installs it when missing; Playwright's own browser downloads are not used)
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test install target bench clean-demo
 
 $(STAMP): pyproject.toml
+	test -x $(CHROMIUM) || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'

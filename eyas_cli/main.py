@@ -8,6 +8,7 @@ Usage:
   eyas inspect PATH [--num-target-layers N]     audit a drafter checkpoint (no Prefect, no torch)
   eyas remap SRC DST --to FORMAT [--dtype D] [--embed-from F] [--num-target-layers N]
   eyas stop TRAIN_DIR                    stop the trainer processes eyas started there (and only those)
+  eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config or workdir)
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     inspect.add_argument("path")
     stop = sub.add_parser("stop", help="stop the training processes eyas recorded in a train directory")
     stop.add_argument("train_dir")
+    status = sub.add_parser("status", help="where a run stands: stages, progress, next command, files")
+    status.add_argument("run", nargs="?", default=str(DEMO_PRESET), help="a run config (JSON) or a run's workdir")
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     remap = sub.add_parser("remap", help="convert a drafter checkpoint to another format")
     remap.add_argument("src")
     remap.add_argument("dst")
@@ -146,6 +150,33 @@ def run_remap(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_status(run: str, as_json: bool) -> int:
+    """The run's files, plus its flow runs when a Prefect server answers (none is started for this)."""
+    from eyas.status import format_json, run_status
+    from eyas_cli.server import DEFAULT_API_URL, healthy
+
+    try:
+        status = run_status(run, presets_dir=REPO / "deployments")
+    except (OSError, ValueError) as err:
+        print(f"eyas status: {err}", file=sys.stderr)
+        return 2
+    api = os.environ.get("PREFECT_API_URL") or DEFAULT_API_URL
+    if healthy(api):
+        os.environ["PREFECT_API_URL"] = api  # before prefect is imported
+        import httpx
+
+        from tasks.status import recent_flow_runs
+
+        try:
+            status.flow_runs = recent_flow_runs(status.workdir)
+        except httpx.HTTPError as err:
+            status.flow_runs_note = f"the Prefect server at {api} did not answer the flow-run query: {err}"
+    else:
+        status.flow_runs_note = f"no Prefect server answers at {api}: flow runs not shown (the stages come from files)"
+    print(format_json(status) if as_json else status.to_markdown())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "demo":
@@ -173,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report.ok else 1
     if args.command == "remap":
         return run_remap(args)
+    if args.command == "status":
+        return show_status(args.run, args.json)
     if args.command == "stop":
         from eyas.preflight import stop_recorded
 

@@ -5,6 +5,7 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from tasks.bench import diagnose_low_tau, reference_benchmark, sglang_benchmark
+from tasks.status import stage_status_artifact
 
 
 class AcceptanceTooLow(RuntimeError):
@@ -16,6 +17,7 @@ def bench_flow(config: RunConfig, export_dir: str | None = None) -> dict:
     export_dir = export_dir or str(config.paths.export_dir / "sglang")
     engine = sglang_benchmark if config.bench.engine == "sglang" else reference_benchmark
     result = engine(config, export_dir)
+    stage_status_artifact(config, "bench")
     if result["tau_mean"] < config.bench.min_tau:
         diagnosis = diagnose_low_tau(config, export_dir, result)
         raise AcceptanceTooLow(

@@ -4,6 +4,7 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from tasks.dataset import build_vocab_mapping, regenerate_and_tokenize
+from tasks.status import stage_status_artifact
 
 
 @flow(name="build-dataset", log_prints=True)
@@ -14,4 +15,5 @@ def build_dataset_flow(config: RunConfig) -> dict:
         f"dataset: {report['num_samples']} samples, {report['num_loss_tokens']} loss tokens, "
         f"hash {report['content_hash']}; draft vocab {vocab['draft_vocab_size']}/{vocab['target_vocab_size']}"
     )
+    stage_status_artifact(config, "dataset")
     return {"dataset": report, "vocab": vocab}

@@ -4,8 +4,11 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from tasks.export import export_checkpoint
+from tasks.status import stage_status_artifact
 
 
 @flow(name="export-drafter", log_prints=True)
 def export_flow(config: RunConfig) -> str:
-    return export_checkpoint(config)
+    export_dir = export_checkpoint(config)
+    stage_status_artifact(config, "export")
+    return export_dir

@@ -13,6 +13,7 @@ from tasks.extract import (
     plan_extraction,
     start_workers,
 )
+from tasks.status import stage_status_artifact
 
 
 @flow(name="extract-hidden-states", log_prints=True)
@@ -25,6 +26,7 @@ def extract_flow(config: RunConfig) -> dict:
         results = follow_workers(config, workers)
         summary = {**finish_extraction_task(config, planned), "workers": results}
     print(f"extraction: {summary}")
+    stage_status_artifact(config, "extract")
     return summary
 
 

@@ -1,7 +1,14 @@
-"""Flow `pipeline`: dataset -> extract -> verify -> smoke run -> approval gate -> train -> export -> benchmark."""
+"""Flow `pipeline`: dataset -> extract -> verify -> smoke run -> approval gate -> train -> export -> benchmark.
+
+Run from a deployment, the gate suspends the run (no process held) and the worker runs it again
+from the top once answered: every stage before the gate comes back from cache (tasks/caching.py)
+or from its durable state (the extraction manifest). Training resumes from its newest complete
+checkpoint. The reviewer's overrides apply to the training run only (eyas.approval).
+"""
 
 from prefect import flow
 
+from eyas.approval import apply_overrides
 from eyas.config import RunConfig
 from flows.bench import bench_flow
 from flows.dataset import build_dataset_flow
@@ -20,7 +27,8 @@ def pipeline(config: RunConfig) -> dict:
     verified = verify_flow(config)
     smoke = smoke_run(config)
     devices = preflight(config)
-    approval_gate(config, gate_summary(config, dataset, verified, smoke, devices))
-    train_flow(config, require_approval=False)
+    summary = gate_summary(config, dataset, verified, smoke, devices)
+    approval = approval_gate(config, summary, accept_overrides=True)
+    train_flow(apply_overrides(config, approval.overrides()), require_approval=False)
     export_dir = export_flow(config)
     return bench_flow(config, export_dir)

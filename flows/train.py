@@ -8,6 +8,7 @@ from prefect import flow
 from eyas.config import RunConfig
 from eyas.dataset import read_tokenized
 from flows.gate import approval_gate
+from tasks.status import stage_status_artifact
 from tasks.train import gate_summary, launch_torchrun, preflight, smoke_run
 
 
@@ -23,4 +24,5 @@ def train_flow(config: RunConfig, require_approval: bool = True) -> dict:
         approval_gate(config, summary)
     final = launch_torchrun(config, num_samples)
     print(f"training finished: {final}")
+    stage_status_artifact(config, "train")
     return final

@@ -7,6 +7,7 @@ from eyas.config import RunConfig
 from eyas.verify import raise_if_bad
 from flows.extract import extract_flow
 from tasks.extract import quarantine_bad, verify_shard_set
+from tasks.status import stage_status_artifact
 
 
 @flow(name="verify-shards", log_prints=True)
@@ -20,6 +21,7 @@ def verify_flow(config: RunConfig) -> dict:
         quarantined += quarantine_bad(config, report)
         extract_flow(config)
         report = verify_shard_set(config, heal_round=rounds)
+    stage_status_artifact(config, "verify")
     raise_if_bad(report, heal_rounds=rounds)
     summary = {
         **report.summary(),

@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from eyas.bench import encode_prompts, run_benchmark, write_benchmark_json
 from eyas.config import RunConfig
 from eyas.dataset import read_prompts
 from eyas.diagnose import diagnose
 from tasks.reporting import markdown_artifact, markdown_table, png_artifact, table_artifact
+from tasks.retry import TRANSIENT_IO
 
 SUMMARY_KEYS = (
     "engine",
@@ -34,7 +36,9 @@ def _prompts(config: RunConfig) -> list:
     return [r["conversations"] for r in read_prompts(config.bench.prompts_path, config.bench.num_prompts)]
 
 
-@task(name="reference-benchmark")
+# A measurement: never cached. Not retried: compute on local files; its failures (e.g. speculative output
+# differing from greedy) are deterministic.
+@task(name="reference-benchmark", cache_policy=NO_CACHE)
 def reference_benchmark(config: RunConfig, export_dir: str) -> dict:
     """Speculative decoding with the exported draft, the n-gram drafter and greedy decoding on held-out prompts."""
     b = config.bench
@@ -51,7 +55,9 @@ def reference_benchmark(config: RunConfig, export_dir: str) -> dict:
     return _publish(result, config.paths.bench_dir)
 
 
-@task(name="sglang-benchmark")
+# A measurement: never cached. Calls a server: dropped connections and timeouts retried (a retry
+# launches the server again); a server that does not start is not transient.
+@task(name="sglang-benchmark", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def sglang_benchmark(config: RunConfig, export_dir: str) -> dict:
     """Launch SGLang with the draft and without it, run the held-out prompts on both, stop it."""
     from eyas.bench_sglang import SglangLaunch, run_sglang_benchmark
@@ -119,7 +125,8 @@ def _fmt(value):
     return round(value, 3) if isinstance(value, float) else value
 
 
-@task(name="diagnose-low-tau")
+# Not cached, not retried: checks on local files, run once when the benchmark fails.
+@task(name="diagnose-low-tau", cache_policy=NO_CACHE)
 def diagnose_low_tau(config: RunConfig, export_dir: str, result: dict) -> dict:
     """Every known cause of a low tau, checked; written to diagnosis.json and shown as an artifact."""
     report = diagnose(

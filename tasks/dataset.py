@@ -8,10 +8,13 @@ from eyas.config import RunConfig
 from eyas.dataset import build_dataset, read_tokenized
 from eyas.target import load_embed_and_lm_head
 from eyas.vocab import ensure_vocab, load_vocab
+from tasks.caching import cached_by
 from tasks.reporting import StageProgress, table_artifact
+from tasks.retry import TRANSIENT_IO
 
 
-@task(name="regenerate-and-tokenize")
+# Cached by the prompts, dataset config and target (the dataset's own key); storage errors retried.
+@task(name="regenerate-and-tokenize", **cached_by(("target", "dataset"), ("prompts",)), **TRANSIENT_IO)
 def regenerate_and_tokenize(config: RunConfig) -> dict:
     """Regenerate responses with the target and write the tokenized table (reused when unchanged)."""
     with StageProgress("dataset-progress", "regenerating responses", "samples_done", "samples_total") as progress:
@@ -26,7 +29,8 @@ def regenerate_and_tokenize(config: RunConfig) -> dict:
     return report.to_dict()
 
 
-@task(name="build-vocab-mapping")
+# Cached by the tokenized table's bytes and the vocab sizes; storage errors retried.
+@task(name="build-vocab-mapping", **cached_by(("target", "dataset"), ("tokenized",)), **TRANSIENT_IO)
 def build_vocab_mapping(config: RunConfig) -> dict:
     """Count loss-masked tokens and write d2t/t2d for the draft vocab (cached by content hash)."""
     ids, masks, content_hash = read_tokenized(config.paths.tokenized)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from eyas.checkpoint import latest_complete
 from eyas.config import RunConfig
 from eyas.export import export_sglang
+from tasks.retry import TRANSIENT_IO
 
 
-@task(name="export-sglang")
+# Not cached: cheap, and must follow the newest checkpoint. Local file I/O errors retried.
+@task(name="export-sglang", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def export_checkpoint(config: RunConfig) -> str:
     """Remap the newest complete checkpoint to SGLang's format, checked against its exact key set."""
     checkpoint = latest_complete(config.paths.train_dir)

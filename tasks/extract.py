@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from eyas.config import RunConfig
 from eyas.extract import (
@@ -26,7 +27,9 @@ from eyas.verify import (
     verify_shards,
     write_verify_report,
 )
+from tasks.caching import cached_by
 from tasks.reporting import StageProgress, table_artifact
+from tasks.retry import TRANSIENT_IO
 
 
 def _describe(config: RunConfig):
@@ -43,7 +46,8 @@ def _describe(config: RunConfig):
     return store, dataset, run, plan
 
 
-@task(name="plan-extraction")
+# Not cached: it IS the resume logic (reads the manifest each time). Idempotent: storage errors retried.
+@task(name="plan-extraction", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def plan_extraction(config: RunConfig) -> dict:
     """Read the manifest, delete leftovers of interrupted writes, list the shards still to extract."""
     store, _, run, plan = _describe(config)
@@ -61,17 +65,23 @@ def plan_extraction(config: RunConfig) -> dict:
     }
 
 
-@task(name="extract-worker-shards")
+# Not cached: the manifest rows are its durable record. Storage errors retried; every attempt skips the
+# worker's shards that already have a row (written by an earlier attempt), so a retry does only what is left.
+@task(name="extract-worker-shards", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def extract_worker_shards(config: RunConfig, worker_index: int, shard_indices: list[int]) -> dict:
     """Extract this worker's shards (disjoint from every other worker's) and record each one."""
     store, dataset, run, plan = _describe(config)
     check_run_meta(store, run)  # a worker elsewhere must see the coordinator's parameters
+    done = done_shard_indices(store)
+    todo = [i for i in shard_indices if i not in done]
+    if len(todo) < len(shard_indices):
+        print(f"worker {worker_index}: {len(shard_indices) - len(todo)} of its shards already recorded, skipped")
     summary = extract_worker(
         store=store,
         dataset=dataset,
         run_meta=run,
         plan=plan,
-        shard_indices=shard_indices,
+        shard_indices=todo,
         extract_cfg=config.extract,
         target_path=config.target.model_path,
         worker_index=worker_index,
@@ -79,12 +89,14 @@ def extract_worker_shards(config: RunConfig, worker_index: int, shard_indices: l
     return {
         "worker_index": worker_index,
         "shard_indices": list(shard_indices),
+        "shards_already_recorded": len(shard_indices) - len(todo),
         "tokens_written": summary.tokens_written,
         "seconds": round(summary.seconds, 2),
     }
 
 
-@task(name="finish-extraction")
+# Not cached: folds row files and fills the local copy from storage each time. Idempotent: retried.
+@task(name="finish-extraction", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def finish_extraction_task(config: RunConfig, planned: dict) -> dict:
     """Fold the row files into the manifest, check every planned shard is there, fill the local copy."""
     store, _, _, plan = _describe(config)
@@ -173,7 +185,8 @@ def follow_workers(config: RunConfig, workers: list, poll_s: float = 2.0) -> lis
     return [w.result() for w in workers]
 
 
-@task(name="verify-shards")
+# Cached by the manifest (every shard with its checksum) and the tokenized table; storage errors retried.
+@task(name="verify-shards", **cached_by(("target", "extract", "verify"), ("tokenized", "manifest")), **TRANSIENT_IO)
 def verify_shard_set(config: RunConfig, heal_round: int = 0) -> VerifyReport:
     """Check every shard against the manifest, the dataset and the run config; write the Parquet report."""
     expected = expected_shard_meta(
@@ -203,7 +216,8 @@ def verify_shard_set(config: RunConfig, heal_round: int = 0) -> VerifyReport:
     return report
 
 
-@task(name="quarantine-shards")
+# Neither cached nor retried: it moves files; after a partial move a re-run verifies again instead.
+@task(name="quarantine-shards", cache_policy=NO_CACHE)
 def quarantine_bad(config: RunConfig, report: VerifyReport) -> list[str]:
     """Move the bad shards aside (with their reasons) and drop their manifest rows for re-extraction."""
     notes = quarantine_bad_shards(config.paths.shards_dir, report)

@@ -15,6 +15,8 @@ from prefect.artifacts import (
 )
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from tasks.retry import is_transient, log_to_run
+
 
 class StageProgress:
     """A Prefect progress artifact and a terminal bar fed by `eyas` progress callbacks.
@@ -51,8 +53,18 @@ class StageProgress:
         self.bar.update(self.bar_task, completed=done, total=total)
         now = time.monotonic()
         if now - self.last_sent >= self.min_interval_s or done >= total:
-            update_progress_artifact(self.artifact_id, progress=100.0 * done / total, description=self.describe(info))
+            self.send(100.0 * done / total, self.describe(info))
             self.last_sent = now
+
+    def send(self, percent: float, description: str) -> None:
+        """Update the artifact; a server that does not answer for a while costs a progress update (logged),
+        not the hours of work the bar measures (the next update sends the current figures again)."""
+        try:
+            update_progress_artifact(self.artifact_id, progress=percent, description=description)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log_to_run(f"progress update of {self.title!r} not sent ({type(exc).__name__}: {exc}); continuing")
 
     def describe(self, info: dict) -> str:
         """The title with done/total of every counted quantity and the ETA, when the callback gives them."""

@@ -1,22 +1,66 @@
-"""Tasks of the training stage: smoke run, gate summary, the torchrun launch with live metrics."""
+"""Tasks of the training stage: smoke run, gate summary, the torchrun launch with live metrics.
+
+The trainer is never re-run blindly: every launch resumes from the newest complete checkpoint in the
+train directory (eyas.train) and says which one; a failed launch is relaunched automatically only if
+it got further (see `relaunch_if_progressed`)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
+from eyas.checkpoint import TRAINER_STATE_FILE, latest_complete
 from eyas.config import RunConfig
 from eyas.jobs import format_command, gpu_hours_estimate, planned_steps, torchrun_command, train_job, write_train_job
 from eyas.preflight import device_preflight, record_launch
 from eyas.smoke import smoke_train
+from tasks.caching import cached_by
 from tasks.reporting import StageProgress, markdown_table, png_artifact
+from tasks.retry import failure_of, log_to_run
 
 METRIC_PREFIX = "EYAS_METRIC "
+MAX_RELAUNCHES = 2
 
 
-@task(name="smoke-run")
+class TorchrunFailed(RuntimeError):
+    """torchrun exited non-zero; `progressed`: it left a newer complete checkpoint than it started from."""
+
+    def __init__(self, message: str, *, started_from: Path | None, newest: Path | None):
+        super().__init__(message)
+        self.started_from, self.newest = started_from, newest
+
+    @property
+    def progressed(self) -> bool:
+        return self.newest is not None and (self.started_from is None or self.newest.name > self.started_from.name)
+
+
+def relaunch_if_progressed(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn` of the launch: relaunch (resuming from the newest checkpoint) only a
+    trainer that wrote a newer complete checkpoint before it failed. Progress means the failure came
+    later than the last one (a node or network hiccup, a preempted GPU); a trainer that fails again
+    before its next checkpoint would fail the same way on every relaunch (bad data, out of memory at a
+    given step, a bug), so it stops the run with the log instead of burning GPU-hours."""
+    exc = failure_of(state)
+    relaunch = isinstance(exc, TorchrunFailed) and exc.progressed
+    if isinstance(exc, TorchrunFailed):
+        log_to_run(
+            f"{task.name}: trainer failed after reaching {exc.newest.name if exc.newest else 'no checkpoint'} "
+            f"(started from {exc.started_from.name if exc.started_from else 'step 0'}): "
+            + ("relaunching, it resumes from there" if relaunch else "no progress, not relaunched")
+        )
+    return relaunch
+
+
+# Cached by the shards (manifest), vocab and tokenized table and the config sections it trains with. Not
+# retried: compute on local files, and a loss that does not fall is deterministic.
+@task(
+    name="smoke-run",
+    **cached_by(("target", "dataset", "extract", "draft", "train", "smoke"), ("tokenized", "vocab", "manifest")),
+)
 def smoke_run(config: RunConfig) -> dict:
     """Overfit a handful of samples for a few dozen steps: the loss must fall before the gate."""
     job = train_job(config, output_dir=config.paths.smoke_dir, max_samples=config.smoke.num_samples)
@@ -37,7 +81,8 @@ def smoke_run(config: RunConfig) -> dict:
     }
 
 
-@task(name="device-preflight")
+# A live check right before the gate: never cached. Not retried: a busy GPU needs a person, not a loop.
+@task(name="device-preflight", cache_policy=NO_CACHE)
 def preflight(config: RunConfig) -> dict:
     """The devices the run needs are visible and idle, and no earlier eyas launch is still running."""
     report = device_preflight(config.train, config.paths.train_dir)
@@ -46,7 +91,8 @@ def preflight(config: RunConfig) -> dict:
     return report.to_dict()
 
 
-@task(name="gate-summary")
+# Formatting of its inputs: cheap, not cached, nothing to retry.
+@task(name="gate-summary", cache_policy=NO_CACHE)
 def gate_summary(config: RunConfig, dataset: dict, verified: dict, smoke: dict, devices: dict) -> str:
     """The Markdown a reviewer sees above the approval form."""
     job_path = config.paths.train_dir / "job.json"
@@ -75,12 +121,23 @@ def gate_summary(config: RunConfig, dataset: dict, verified: dict, smoke: dict, 
     return "\n\n".join(lines)
 
 
-@task(name="launch-torchrun")
+# Not cached: the checkpoints are the durable state. Relaunched at most MAX_RELAUNCHES times, 30 s apart (the
+# dead ranks release their GPUs and the rendezvous port), and only after progress (relaunch_if_progressed).
+@task(
+    name="launch-torchrun",
+    cache_policy=NO_CACHE,
+    retries=MAX_RELAUNCHES,
+    retry_delay_seconds=30,
+    retry_condition_fn=relaunch_if_progressed,
+)
 def launch_torchrun(config: RunConfig, num_samples: int) -> dict:
-    """Run the trainer under torchrun, streaming rank-0 metrics into progress and a loss curve."""
+    """Run the trainer under torchrun, resuming from the newest complete checkpoint; stream rank-0 metrics
+    into progress and a loss curve."""
     train_dir = config.paths.train_dir
     job_path = write_train_job(train_job(config), train_dir / "job.json")
     cmd = torchrun_command(config, job_path)
+    started_from = latest_complete(train_dir)
+    print(describe_start(started_from, config))
     print(f"launching: {format_command(cmd)}")
     total_samples = planned_steps(num_samples, config) * config.train.global_batch_size
     metrics, log_path = [], train_dir / "torchrun.log"
@@ -100,10 +157,25 @@ def launch_torchrun(config: RunConfig, num_samples: int) -> dict:
                 progress({"samples_consumed": m["samples_consumed"], "total": total_samples})
     if proc.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"torchrun exited with {proc.returncode}; last lines of {log_path}:\n{tail}")
+        newest = latest_complete(train_dir)
+        raise TorchrunFailed(
+            f"torchrun exited with {proc.returncode} (started from {started_from or 'step 0'}, newest complete "
+            f"checkpoint now {newest or 'none'}); last lines of {log_path}:\n{tail}",
+            started_from=started_from,
+            newest=newest,
+        )
     if metrics:
         plot_loss(metrics)
     return json.loads((train_dir / "final.json").read_text())
+
+
+def describe_start(checkpoint: Path | None, config: RunConfig) -> str:
+    copy = config.train.checkpoint_copy_url
+    restore = f" (a newer one in train.checkpoint_copy_url={copy} is restored first)" if copy else ""
+    if checkpoint is None:
+        return f"no complete checkpoint in {config.paths.train_dir}: training starts at step 0{restore}"
+    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    return f"resuming from {checkpoint} (step {state['step']}, {state['samples_consumed']} samples consumed){restore}"
 
 
 def plot_loss(metrics: list[dict]) -> None:

@@ -160,8 +160,6 @@ def flush_prefect_logs():
     """Send the flow runs' logs and events while the test server is up (else the process's exit waits
     on retries to a server that has stopped). Flow-test modules use it with `pytestmark`."""
     yield
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
+    from run_queries import drain_run_logs
 
-    APILogWorker.drain_all(timeout=30)
-    EventsWorker.drain_all(timeout=30)
+    drain_run_logs()

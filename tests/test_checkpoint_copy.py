@@ -46,7 +46,8 @@ def test_copy_puts_every_file_then_the_manifest_last(s3_bucket, fault_proxy, tmp
     assert manifest == {
         "step": 4,
         "files": {
-            f: {"checksum": checksum_bytes((local / f).read_bytes()), "bytes": (local / f).stat().st_size} for f in FILES
+            f: {"checksum": checksum_bytes((local / f).read_bytes()), "bytes": (local / f).stat().st_size}
+            for f in FILES
         },
     }
     assert json.loads(store.get_bytes("step-00000004.complete.json")) == manifest

@@ -158,3 +158,35 @@ def test_deployment_fanout_runs_one_flow_run_per_worker(prefect_server, tmp_path
     finally:
         runner.terminate()
         runner.wait(timeout=30)
+
+
+def test_retried_worker_task_extracts_only_the_shards_its_failed_attempt_left(
+    prefect_server, monkeypatch, tmp_path, tiny_target_dir, random_target_dir
+):
+    from prefect import flow
+
+    import tasks.extract
+    from tasks.extract import extract_worker_shards, plan_extraction
+
+    config = _config(tmp_path, tiny_target_dir, random_target_dir)
+    real_worker, attempts = tasks.extract.extract_worker, []
+
+    def worker_losing_its_connection(**kwargs):
+        attempts.append(list(kwargs["shard_indices"]))
+        if len(attempts) == 1:  # the first attempt writes two shards, then storage drops the connection
+            real_worker(**{**kwargs, "shard_indices": kwargs["shard_indices"][:2]})
+            raise ConnectionResetError("connection reset by peer")
+        return real_worker(**kwargs)
+
+    monkeypatch.setattr(tasks.extract, "extract_worker", worker_losing_its_connection)
+
+    @flow(name="worker-retry-probe")
+    def probe() -> dict:
+        todo = plan_extraction(config)["todo"]
+        return extract_worker_shards.with_options(retry_delay_seconds=0)(config, 0, todo)
+
+    summary = probe()
+    first, second = attempts
+    assert len(first) > 3 and second == first[2:]  # the retry skipped the two recorded shards
+    assert summary["shards_already_recorded"] == 2
+    assert sorted(r.shard_index for r in read_manifest(config.paths.shards_dir)) == first

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
 import uuid
 
 import pytest
+from run_queries import artifacts, artifacts_with_key
 
 from eyas.config import load_run_config
 
@@ -104,6 +106,7 @@ def test_rejected_gate_never_starts_torchrun(prefect_server, e2e_config):
 @pytest.mark.timeout(1800)  # the whole pipeline, 30 epochs: ~5 min alone, up to 15 on a shared 2-core machine
 def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server, e2e_config):
     (e2e_config.paths.root / "approval.json").unlink(missing_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
     state, answered = run_pipeline_answering(e2e_config, approve=True)
     assert answered, "the run never paused at the approval gate"
     assert state.is_completed(), state.message
@@ -113,9 +116,15 @@ def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server
     assert result["tau_random"] <= 1.2
     assert result["tau_mean"] >= result["tau_random"] + 0.5, result
     record = json.loads((e2e_config.paths.root / "approval.json").read_text())
-    assert record["approve"] is True and record["reviewer"] == "e2e-test"
+    assert record["approve"] is True and record["reviewer"] == "e2e-test" and record["overrides"] == {}
+    [decision] = [a.data for a in artifacts(answered[0], "approval-decision")]
+    assert "Training approved" in decision and "| reviewer | e2e-test |" in decision
     checkpoints = sorted((e2e_config.paths.train_dir / "checkpoints").glob("step-*"))
     assert checkpoints and all((c / "COMPLETE").exists() for c in checkpoints)
+    snapshots = [a.data for a in artifacts_with_key(f"status-{e2e_config.name}", started)]
+    stages = ["dataset", "extract", "verify", "train", "export", "bench"]
+    assert [next((s for s in stages if f"(after {s})" in d.splitlines()[0]), d[:80]) for d in snapshots] == stages
+    assert "| bench | done |" in snapshots[-1] and "| train | done |" in snapshots[-1]
 
 
 def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server, e2e_config):

@@ -40,7 +40,9 @@ def test_put_get_list_delete_round_trip(store):
 
 def test_read_with_wrong_checksum_is_refused(store):
     store.put_bytes("a.bin", b"payload")
-    with pytest.raises(ChecksumMismatchError, match=r"a.bin: checksum xxh3-128:.* of 7 bytes read, expected xxh3-128:0000"):
+    with pytest.raises(
+        ChecksumMismatchError, match=r"a.bin: checksum xxh3-128:.* of 7 bytes read, expected xxh3-128:0000"
+    ):
         store.get_bytes("a.bin", checksum="xxh3-128:" + "0" * 32)
 
 

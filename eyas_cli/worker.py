@@ -1,0 +1,89 @@
+"""Set up this machine's worker for eyas's deployments (prefect.yaml), then run it.
+
+Usage:
+  python -m eyas_cli.worker [--pool eyas-local] [--results-dir DIR] [--within-s 300] [--setup-only]
+
+1. the work pool POOL (type process) exists;
+2. the crash-detection automation is installed on the server (eyas_cli.automation);
+3. `prefect worker start --pool POOL --type process` replaces this process, with in its environment
+   (the flow runs it starts inherit it):
+   - PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30: runs beat every 30 s (the automation marks them Crashed
+     after --within-s without one);
+   - PREFECT_RESULTS_LOCAL_STORAGE_PATH=DIR: where task results are persisted, so a run resumed after
+     the approval gate or retried after a crash finds the finished stages (tasks/caching.py). DIR must
+     survive the machine, as the workdirs must: default `.eyas/results` in the repository, beside the
+     server's database (EYAS_STATE_DIR moves both);
+   - EYAS_REPO: the repository, where prefect.yaml's pull step runs the flows.
+The server is PREFECT_API_URL, or the local one eyas starts (`eyas_cli.server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from eyas_cli.automation import HEARTBEAT_S, WITHIN_S
+
+REPO = Path(__file__).resolve().parents[1]
+POOL = "eyas-local"
+
+
+def worker_environment(results_dir: Path) -> dict[str, str]:
+    """What the worker, and the flow runs it starts, need in their environment."""
+    return {
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(Path(results_dir).resolve()),
+        "EYAS_REPO": str(REPO),
+    }
+
+
+def ensure_process_pool(name: str) -> bool:
+    """Create the process work pool `name` unless it exists; True when created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_work_pool(name)
+        except ObjectNotFound:
+            template = ProcessWorker.get_default_base_job_template()
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+            return True
+    if pool.type != "process":
+        raise ValueError(f"work pool {name!r} is of type {pool.type!r}, expected 'process'; use --pool for another one")
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    state_dir = Path(os.environ.get("EYAS_STATE_DIR", REPO / ".eyas"))
+    parser = argparse.ArgumentParser(prog="python -m eyas_cli.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--pool", default=POOL, help="process work pool the deployments name")
+    parser.add_argument("--results-dir", type=Path, default=state_dir / "results", help="durable task results")
+    parser.add_argument("--within-s", type=int, default=WITHIN_S, help="seconds without heartbeat before Crashed")
+    parser.add_argument("--setup-only", action="store_true", help="set up, print the environment, do not start")
+    args = parser.parse_args(argv)
+
+    from eyas_cli.automation import install_crash_detection
+    from eyas_cli.main import connect
+
+    api = connect()
+    created = ensure_process_pool(args.pool)
+    install_crash_detection(args.within_s)
+    env = worker_environment(args.results_dir)
+    print(f"work pool {args.pool!r} {'created' if created else 'present'} on {api}; crash detection installed")
+    for key, value in env.items():
+        print(f"  {key}={value}")
+    if args.setup_only:
+        return 0
+    Path(env["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]).mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", args.pool, "--type", "process"]
+    os.execvpe(cmd[0], cmd, {**os.environ, "PREFECT_API_URL": api, **env})
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

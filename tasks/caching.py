@@ -1,0 +1,107 @@
+"""Caching of finished work across runs: keys from the config and the content of the task's inputs.
+
+A task decorated with `**cached_by(sections, inputs)` is skipped (state Cached, its result read
+back) when a task of the same name and source already ran for the same workdir, with the same
+config sections, the same content of the durable inputs it reads and the same other arguments.
+The key never contains the flow run id, so a run resumed after the approval gate (the worker
+re-runs it from the top), a run retried after a crash, and a new run of the same deployment all
+find the work done.
+
+Results are persisted to Prefect's default result storage, `PREFECT_RESULTS_LOCAL_STORAGE_PATH`
+(default `$PREFECT_HOME/storage`); `python -m eyas_cli.worker` points it at durable storage beside
+the server's database. An entry belongs to one workdir: the key holds the workdir's path and a
+random id written into it once (`.eyas-workdir-id`), so a deleted or recreated workdir never hits
+entries that describe outputs which are gone.
+
+Tasks that are the resume logic themselves (plan the missing shards, relaunch the trainer), live
+checks (device preflight) and measurements (benchmark) are not cached: `NO_CACHE` says so where
+they are declared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect.cache_policies import TASK_SOURCE, CachePolicy
+from prefect.context import TaskRunContext
+from prefect.utilities.hashing import hash_objects
+
+from eyas.config import RunConfig
+from eyas.dataset import dataset_cache_key
+
+WORKDIR_ID = ".eyas-workdir-id"
+
+
+def file_sha256(path: Path) -> str:
+    if not path.is_file():
+        return "absent"
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def workdir_id(root: Path) -> str:
+    """The workdir's random id, created on first use (O_EXCL: concurrent first uses agree)."""
+    path = Path(root) / WORKDIR_ID
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(uuid.uuid4().hex)
+                f.flush()
+                os.fsync(f.fileno())
+    return path.read_text().strip()
+
+
+# The durable inputs a task may read, each by a content hash (cheap: small files or headers).
+INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
+    # prompts file bytes + dataset config + target fingerprint: the dataset's own cache key
+    "prompts": lambda c: dataset_cache_key(c.dataset, c.target.model_path),
+    "tokenized": lambda c: file_sha256(c.paths.tokenized),
+    "vocab": lambda c: file_sha256(c.paths.vocab),
+    # the local manifest lists every shard with its checksum: it stands for the shards' bytes
+    "manifest": lambda c: file_sha256(c.paths.shards_dir / "manifest.parquet"),
+}
+
+
+@dataclass
+class ConfigAndInputs(CachePolicy):
+    """Key = task name + workdir (path and id) + the named `config` sections + content hashes of the named
+    inputs + the task's other arguments. Never the run id."""
+
+    sections: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = sorted(set(self.inputs) - set(INPUT_HASHES))
+        if unknown:
+            raise ValueError(f"cache inputs {unknown} are unknown; expected some of {sorted(INPUT_HASHES)}")
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs):
+        config: RunConfig = inputs["config"]
+        root = config.paths.root.resolve()
+        return hash_objects(
+            task_ctx.task.name,
+            str(root),
+            workdir_id(root),
+            config.fingerprint(*self.sections),
+            {name: INPUT_HASHES[name](config) for name in self.inputs},
+            {name: value for name, value in inputs.items() if name != "config"},
+            raise_on_failure=True,
+        )
+
+
+def cached_by(sections: tuple[str, ...], inputs: tuple[str, ...] = ()) -> dict:
+    """Task decorator arguments: cache by config sections + input hashes + the task's source; persist results."""
+    return {"cache_policy": ConfigAndInputs(sections=sections, inputs=inputs) + TASK_SOURCE, "persist_result": True}

@@ -1,0 +1,81 @@
+"""The run-status snapshot (eyas.status) as a markdown artifact after each stage, and the flow runs of a
+workdir as the Prefect server knows them (also used by `eyas status`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from eyas.config import RunConfig
+from eyas.status import STAGES, record_run_config, run_status
+from tasks.reporting import markdown_artifact
+
+# The flows of eyas, by their Prefect names (flows/*.py).
+FLOW_NAMES = (
+    "pipeline",
+    "build-dataset",
+    "extract-hidden-states",
+    "extract-worker",
+    "verify-shards",
+    "train-drafter",
+    "export-drafter",
+    "benchmark-acceptance",
+)
+PAGE, SCANNED_RUNS = 200, 1000  # the server answers at most 200 runs per request
+
+
+def _same_workdir(parameters: dict, workdir: Path) -> bool:
+    config = parameters.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("workdir"), str):
+        return False
+    return config["workdir"] == str(workdir) or Path(config["workdir"]).resolve() == Path(workdir).resolve()
+
+
+def recent_flow_runs(workdir: str | Path, *, limit: int = 10) -> list[dict]:
+    """The newest flow runs of eyas's flows whose config has this workdir, newest first (the last
+    SCANNED_RUNS runs of those flows are searched; a relative workdir is compared from this directory)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    only_eyas = FlowFilter(name=FlowFilterName(any_=list(FLOW_NAMES)))
+    found: list[dict] = []
+    with get_client(sync_client=True) as client:
+        flows = {f.id: f.name for f in client.read_flows(flow_filter=only_eyas)}
+        for offset in range(0, SCANNED_RUNS, PAGE):
+            page = client.read_flow_runs(
+                flow_filter=only_eyas, sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=PAGE, offset=offset
+            )
+            found += [_describe(run, flows) for run in page if _same_workdir(run.parameters or {}, Path(workdir))]
+            if len(found) >= limit or len(page) < PAGE:
+                break
+    return found[:limit]
+
+
+def _describe(run, flows: dict) -> dict:
+    started = run.start_time or run.expected_start_time
+    return {
+        "flow": flows.get(run.flow_id, "?"),
+        "run": run.name,
+        "state": run.state.name if run.state else "?",
+        "started": started.isoformat(timespec="seconds") if started else "",
+        "duration_s": round(run.total_run_time.total_seconds()),
+        "id": str(run.id),
+        "message": (run.state.message or "")[:200] if run.state else "",
+    }
+
+
+@task(name="run-status", cache_policy=NO_CACHE)
+def stage_status_artifact(config: RunConfig, stage: str) -> dict:
+    """Snapshot of the whole run after `stage` (the `eyas status` view) as the artifact `status-NAME`."""
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r}: expected one of {', '.join(STAGES)}")
+    record_run_config(config)
+    status = run_status(config)
+    status.flow_runs = recent_flow_runs(config.paths.root)
+    markdown_artifact(
+        f"status-{config.name}", status.to_markdown(title=f"after {stage}"), f"run status after the {stage} stage"
+    )
+    return status.to_dict()

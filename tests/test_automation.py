@@ -1,0 +1,63 @@
+"""The crash-detection automation and the worker set-up (eyas_cli.automation, eyas_cli.worker) on a real server.
+Its behaviour on dead and suspended runs is exercised in tests/test_crash_vm.py."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def installed(prefect_server):
+    """Remove the automation after the test (a short window would mark other tests' live runs Crashed)."""
+    yield
+    from prefect.client.orchestration import get_client
+
+    from eyas_cli.automation import NAME
+
+    with get_client(sync_client=True) as client:
+        for automation in client.read_automations_by_name(NAME):
+            client.delete_automation(automation.id)
+
+
+def test_crash_detection_expects_runs_waiting_at_the_gate(prefect_server):
+    from eyas_cli.automation import WITHIN_S, crash_detection
+
+    automation = crash_detection()
+    trigger = automation.trigger
+    assert trigger.after == {"prefect.flow-run.heartbeat"}
+    assert {"prefect.flow-run.Paused", "prefect.flow-run.Suspended", "prefect.flow-run.Completed"} <= trigger.expect
+    assert trigger.posture == "Proactive" and trigger.for_each == {"prefect.resource.id"}
+    assert trigger.within.total_seconds() == WITHIN_S > 180  # above Prefect's default heartbeat interval
+    assert [a.type for a in automation.actions] == ["change-flow-run-state"]
+    assert automation.actions[0].state.value == "CRASHED"
+
+
+def test_install_is_idempotent_and_updates_a_changed_window(prefect_server, installed):
+    from prefect.client.orchestration import get_client
+
+    from eyas_cli.automation import NAME, install_crash_detection
+
+    first = install_crash_detection(within_s=120)
+    assert install_crash_detection(within_s=120) == first
+    assert install_crash_detection(within_s=240) == first
+    with get_client(sync_client=True) as client:
+        [automation] = client.read_automations_by_name(NAME)
+    assert automation.trigger.within.total_seconds() == 240
+
+
+def test_worker_setup_creates_its_process_pool_once(prefect_server):
+    from eyas_cli.worker import ensure_process_pool
+
+    assert ensure_process_pool("setup-test") is True
+    assert ensure_process_pool("setup-test") is False
+
+
+def test_worker_environment_sets_heartbeats_and_durable_results(tmp_path):
+    from eyas_cli.worker import REPO, worker_environment
+
+    env = worker_environment(tmp_path / "results")
+    assert env == {
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str((tmp_path / "results").resolve()),
+        "EYAS_REPO": str(REPO),
+    }

@@ -1,0 +1,335 @@
+"""`eyas status`: the state of a run read from its files (empty, partly extracted, crashed, finished), the
+CLI verb, and the same snapshot as a markdown artifact through a real Prefect server."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eyas.config import load_run_config
+from eyas.status import record_run_config, run_status
+from eyas.status_probes import APPROVAL_SECTIONS, last_metrics
+from eyas.synthetic import write_synthetic_run
+from eyas.verify import ShardReportRow, VerifyReport, write_verify_report
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_SAMPLES, PER_SHARD = 32, 10  # 4 shards
+CONTENT_HASH = "0123456789abcdef"
+
+
+def config_at(workdir: Path, tmp_path: Path):
+    """The tiny preset with this workdir, written to tmp_path/config.json; (path, config)."""
+    config = load_run_config(REPO / "deployments" / "tiny-cpu.json").model_copy(update={"workdir": str(workdir)})
+    path = tmp_path / "config.json"
+    path.write_text(config.model_dump_json())
+    return path, config
+
+
+def write_dataset(config, samples: list[dict]) -> None:
+    ids = [s["input_ids"].tolist() for s in samples]
+    masks = [s["loss_mask"].tolist() for s in samples]
+    table = pa.table(
+        {
+            "sample_index": pa.array(range(len(ids)), pa.int64()),
+            "id": pa.array([f"s{i}" for i in range(len(ids))]),
+            "input_ids": pa.array(ids, pa.list_(pa.int32())),
+            "loss_mask": pa.array(masks, pa.list_(pa.uint8())),
+            "num_tokens": pa.array([len(x) for x in ids], pa.int32()),
+        }
+    ).replace_schema_metadata({"eyas.content_hash": CONTENT_HASH, "eyas.cache_key": "test"})
+    paths = config.paths
+    paths.dataset_dir.mkdir(parents=True)
+    pq.write_table(table, paths.tokenized)
+    report = {"num_samples": len(ids), "num_tokens": sum(map(len, ids)), "num_loss_tokens": sum(map(sum, masks))}
+    (paths.dataset_dir / "report.json").write_text(json.dumps(report))
+
+
+def write_extract_meta(config, num_shards: int, **changed) -> None:
+    meta = {
+        "format_version": "1", "target_fingerprint": "synthetic", "aux_layer_ids": [1, 2, 3],
+        "layer_id_convention": "hf_hidden_states", "hidden_size": 32, "num_aux": 3, "dtype": "float32",
+        "target_dtype": "float32", "backend": "hf", "dataset_hash": CONTENT_HASH, "shard_bytes": 4194304,
+        "num_shards": num_shards, **changed,
+    }  # fmt: skip
+    (config.paths.shards_dir / "extract.json").write_text(json.dumps(meta))
+
+
+def build_partial_run(tmp_path: Path, planned: int = 6):
+    """Dataset done, 4 of `planned` shards extracted, one interrupted write; (config path, config)."""
+    path, config = config_at(tmp_path / "run", tmp_path)
+    run = write_synthetic_run(config.paths.root, num_samples=NUM_SAMPLES, per_shard=PER_SHARD)
+    write_dataset(config, run["samples"])
+    run["vocab"].rename(config.paths.vocab)
+    write_extract_meta(config, planned)
+    (config.paths.shards_dir / ".shard-00004.safetensors.tmp-4242").write_bytes(b"cut short")
+    return path, config
+
+
+def write_checkpoint_dir(train_dir: Path, step: int, complete: bool = True) -> Path:
+    ckpt = train_dir / "checkpoints" / f"step-{step:08d}"
+    ckpt.mkdir(parents=True)
+    state = {"step": step, "samples_consumed": step * 16, "epoch": 0, "world_size": 2, "loss": 5.0}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    if complete:
+        (ckpt / "COMPLETE").write_text(f"{step}\n")
+    return ckpt
+
+
+def write_metrics(train_dir: Path, steps: range) -> None:
+    lines = [json.dumps({"step": s, "epoch": 0, "loss": 9.0 - s / 100, "acc_k": [0.5, 0.4], "lr": 1e-4}) for s in steps]
+    (train_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def build_trained_run(tmp_path: Path):
+    """Every shard extracted and verified, smoke run passed, approved, trained to the planned last step."""
+    from eyas.train import total_steps
+
+    path, config = build_partial_run(tmp_path, planned=4)
+    rows = [ShardReportRow(i, f"shard-{i:05d}.safetensors", "ok", ["header"], "", 100, 1000, 0.1) for i in range(4)]
+    write_verify_report(VerifyReport("full", rows), config.paths.verify_report)
+    config.paths.smoke_dir.mkdir()
+    smoke = {"first": 9.0, "last": 4.0, "passed": True, "num_steps": 40}
+    (config.paths.smoke_dir / "smoke.json").write_text(json.dumps(smoke))
+    approval = {"approve": True, "reviewer": "ada", "note": "", "decided_at": "2026-01-01T00:00:00+00:00"}
+    approval["config_fingerprint"] = config.fingerprint(*APPROVAL_SECTIONS)
+    (config.paths.root / "approval.json").write_text(json.dumps(approval))
+    last = total_steps(NUM_SAMPLES, config.train)
+    ckpt = write_checkpoint_dir(config.paths.train_dir, last)
+    write_metrics(config.paths.train_dir, range(1, last + 1))
+    final = {"checkpoint": str(ckpt), "step": last, "final_loss": 4.2}
+    (config.paths.train_dir / "final.json").write_text(json.dumps(final))
+    return path, config, ckpt
+
+
+def build_finished_run(tmp_path: Path):
+    path, config, ckpt = build_trained_run(tmp_path)
+    out = config.paths.export_dir / "sglang"
+    out.mkdir(parents=True)
+    for name, text in (("config.json", "{}"), ("model.safetensors", "x")):
+        (out / name).write_text(text)
+    (out / "eyas_export.json").write_text(json.dumps({"source_checkpoint": str(ckpt)}))
+    os.utime(out / "model.safetensors", (1e9, 1e9))  # exported before the benchmark ran
+    config.paths.bench_dir.mkdir()
+    bench = {"engine": "reference", "tau_mean": 2.31, "tau_ngram": 1.5, "tau_random": 1.0, "num_prompts": 48}
+    bench["accept_rate_per_position"] = [0.6, 0.45, 0.3]
+    (config.paths.bench_dir / "benchmark.json").write_text(json.dumps(bench))
+    return path, config
+
+
+def states(status) -> dict[str, str]:
+    return {s.stage: s.state for s in status.stages}
+
+
+def test_an_empty_workdir_has_every_stage_not_started(tmp_path):
+    path, config = config_at(tmp_path / "run", tmp_path)
+    config.paths.root.mkdir()
+    status = run_status(path)
+    assert set(states(status).values()) == {"not started"}
+    assert status.next_steps()[0].startswith(f"`eyas dataset {path}`")
+    assert not any(f["exists"] for f in status.files)
+    assert status.software["eyas"] == "0.1.0" and status.hardware["cpus"] == os.cpu_count()
+
+
+def test_a_partially_extracted_run_names_the_missing_shards(tmp_path):
+    path, _ = build_partial_run(tmp_path)
+    status = run_status(path)
+    assert states(status) == {
+        "dataset": "done", "extract": "partial", "verify": "not started", "smoke": "not started",
+        "approval": "not started", "train": "not started", "export": "not started", "bench": "not started",
+    }  # fmt: skip
+    assert status.stage("extract").detail.startswith("4 of 6 shards")
+    assert status.progress["shards"] | {"tokens_done": 0, "bytes_done": 0} == {
+        "done": 4, "planned": 6, "tokens_done": 0, "bytes_done": 0, "interrupted_writes": 1,
+        "quarantined": 0, "last_quarantine_reason": "", "running_here": False,
+    }  # fmt: skip
+    assert status.next_steps()[0].startswith(f"`eyas extract {path}`: extracts the 2 missing shards of 6")
+    assert "1 interrupted writes, removed on resume" in status.to_markdown()
+
+
+def test_shards_extracted_with_other_parameters_are_stale(tmp_path):
+    path, config = build_partial_run(tmp_path)
+    write_extract_meta(config, 6, dtype="bfloat16")
+    status = run_status(path)
+    assert status.stage("extract").state == "stale"
+    assert "dtype='bfloat16' there, 'float32' now" in status.stage("extract").detail
+    assert status.next_steps()[0].startswith("the shards do not match the config:")
+
+
+def test_a_workdir_alone_is_read_and_the_commands_say_config(tmp_path):
+    _, config = build_partial_run(tmp_path)
+    status = run_status(config.paths.root)
+    assert status.config is None and status.stage("extract").state == "partial"
+    assert status.next_steps()[0].startswith("`eyas extract CONFIG`")
+    assert status.next_steps()[-1].startswith(f"no config found for {config.paths.root}")
+
+
+def test_a_workdir_finds_its_config_in_run_json(tmp_path):
+    _, config = build_partial_run(tmp_path)
+    recorded = record_run_config(config)
+    status = run_status(config.paths.root)
+    assert status.config == config and status.config_path == str(recorded)
+
+
+def test_a_crashed_training_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    path, config, ckpt = build_trained_run(tmp_path)
+    (config.paths.train_dir / "final.json").unlink()
+    (ckpt / "COMPLETE").unlink()  # the crash came during this save
+    write_checkpoint_dir(config.paths.train_dir, 20)
+    status = run_status(path)
+    train = status.stage("train")
+    assert train.state == "partial"
+    planned = status.progress["train"]["planned_steps"]
+    assert int(ckpt.name.removeprefix("step-")) == planned == 60
+    assert train.detail.startswith("stopped: newest complete checkpoint step 20 of 60; last logged step 60")
+    assert status.next_steps()[0].startswith(f"`eyas train {path}`: resumes from step 20")
+    assert status.progress["train"]["incomplete_checkpoints"] == 1
+
+
+def test_a_running_trainer_is_reported_with_its_pid(tmp_path):
+    from eyas.preflight import process_start_time
+
+    path, config, _ = build_trained_run(tmp_path)
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "cmd": ["torchrun"], "started_at": "now"}
+    (config.paths.train_dir / "processes.json").write_text(json.dumps([me]))
+    status = run_status(path)
+    assert status.stage("train").state == "running"
+    assert f"trainer running (pid {os.getpid()})" in status.stage("train").detail
+    assert status.next_steps()[0].startswith(f"training is running: `tail -f {config.paths.train_dir}/torchrun.log`")
+
+
+def test_an_extraction_holding_the_lock_is_running(tmp_path):
+    import fcntl
+
+    path, config = build_partial_run(tmp_path)
+    with open(config.paths.shards_dir / ".extract.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held = run_status(path)
+    assert held.stage("extract").state == "running"
+    assert run_status(path).stage("extract").state == "partial"
+
+
+def test_a_finished_run_is_done_and_names_its_drafter(tmp_path):
+    path, config = build_finished_run(tmp_path)
+    status = run_status(path)
+    assert set(states(status).values()) == {"done"}, status.stages
+    assert status.next_steps()[0].startswith("nothing: the run is finished.")
+    assert status.progress["acceptance"]["tau_mean"] == 2.31
+    text = status.to_markdown()
+    assert "acceptance: tau 2.31 (reference engine), n-gram 1.50, random draft 1.00" in text
+    assert f"| exported drafter | {config.paths.export_dir / 'sglang'} | yes |" in text
+
+
+def test_an_approval_for_another_configuration_is_stale(tmp_path):
+    path, config = build_partial_run(tmp_path)
+    record = {"approve": True, "reviewer": "ada", "decided_at": "then", "config_fingerprint": "0" * 16}
+    (config.paths.root / "approval.json").write_text(json.dumps(record))
+    assert run_status(path).stage("approval").state == "stale"
+
+
+def test_a_damaged_file_is_reported_and_the_other_stages_still_read(tmp_path):
+    path, config = build_finished_run(tmp_path)
+    (config.paths.root / "approval.json").write_text('{"approve": tr')
+    status = run_status(path)
+    assert status.stage("approval").state == "unreadable"
+    assert status.stage("approval").detail.startswith("JSONDecodeError")
+    assert status.stage("bench").state == "done"
+
+
+def test_last_metrics_skips_a_line_cut_by_a_crash(tmp_path):
+    write_metrics(tmp_path, range(1, 4))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')
+    assert last_metrics(tmp_path / "metrics.jsonl")["step"] == 3
+
+
+def run_cli(*args: str, api_url: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_API_URL": api_url}
+    cmd = [sys.executable, "-m", "eyas_cli.main", "status", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+
+
+def test_status_verb_prints_the_run_without_a_server(tmp_path):
+    path, _ = build_partial_run(tmp_path)
+    proc = run_cli(str(path), "--json", api_url="http://127.0.0.1:9/api")
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)
+    assert {s["stage"]: s["state"] for s in printed["stages"]}["extract"] == "partial"
+    assert printed["progress"]["shards"]["planned"] == 6
+    assert printed["flow_runs_note"].startswith("no Prefect server answers at http://127.0.0.1:9/api")
+
+
+def test_status_verb_prints_markdown_by_default(tmp_path, capsys, monkeypatch):
+    from eyas_cli.main import main
+
+    path, _ = build_partial_run(tmp_path)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert main(["status", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Run `tiny-cpu`") and "| extract | partial | 4 of 6 shards" in out
+
+
+def test_status_verb_refuses_a_path_that_is_neither_config_nor_workdir(tmp_path, capsys):
+    from eyas_cli.main import main
+
+    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert "neither a run config (a JSON RunConfig" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def reported_run(prefect_server, tmp_path_factory):
+    """A partial run, and a flow run of `export-drafter` (by name) that published its status artifact.
+    (No `from __future__ import annotations` in this module: the flow's parameter model needs real types.)"""
+    from prefect import flow
+
+    from eyas.config import RunConfig
+    from tasks.status import stage_status_artifact
+
+    tmp_path = tmp_path_factory.mktemp("reported")
+    path, config = build_partial_run(tmp_path)
+
+    @flow(name="export-drafter")
+    def stage_flow(config: RunConfig) -> dict:
+        return stage_status_artifact(config, "extract")
+
+    state = stage_flow(config, return_state=True)
+    return config, state
+
+
+def test_stage_status_artifact_publishes_the_snapshot(reported_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    config, state = reported_run
+    assert state.is_completed(), state.message
+    key = f"status-{config.name}"
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    mine = [a for a in artifacts if a.flow_run_id == state.state_details.flow_run_id]
+    assert len(mine) == 1 and mine[0].type == "markdown"
+    markdown = mine[0].data
+    assert markdown.startswith("# Run `tiny-cpu` (after extract)")
+    assert "| extract | partial | 4 of 6 shards" in markdown
+    assert "| export-drafter |" in markdown and "| Running |" in markdown  # the flow run itself, as it ran
+    assert state.result()["progress"]["shards"]["done"] == 4
+    assert load_run_config(config.paths.root / "run.json") == config
+
+
+def test_status_verb_lists_the_flow_runs_of_the_workdir(reported_run, prefect_server):
+    config, state = reported_run
+    proc = run_cli(str(config.paths.root), "--json", api_url=prefect_server)
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(proc.stdout)["flow_runs"]
+    assert [(r["flow"], r["state"], r["id"]) for r in runs] == [
+        ("export-drafter", "Completed", str(state.state_details.flow_run_id))
+    ]
+
+
+def test_approval_sections_are_the_gates(prefect_server):
+    from flows.gate import GATE_SECTIONS
+
+    assert APPROVAL_SECTIONS == GATE_SECTIONS

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,10 +54,24 @@ def test_deployment_parameters_validate_when_loaded_from_the_entrypoint(prefect_
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=lambda d: d["name"])
-def test_deployment_parameters_equal_the_tiny_preset(deployment):
-    preset = json.loads((REPO / "deployments" / "tiny-cpu.json").read_text())
-    assert deployment["parameters"]["config"] == preset
+def test_deployment_parameters_equal_its_preset(deployment):
+    [preset] = [t for t in deployment["tags"] if (REPO / "deployments" / f"{t}.json").exists()]
+    assert deployment["name"].endswith(f"-{preset}")
+    assert deployment["parameters"]["config"] == json.loads((REPO / "deployments" / f"{preset}.json").read_text())
     RunConfig.model_validate(deployment["parameters"]["config"])
+
+
+def test_every_stage_is_deployed_for_every_preset():
+    presets = sorted(p.stem for p in (REPO / "deployments").glob("*.json"))
+    stages = sorted({d["entrypoint"] for d in DEPLOYMENTS})
+    assert len(stages) == 8 and len(DEPLOYMENTS) == len(stages) * len(presets)
+
+
+def test_prefect_yaml_is_what_the_script_writes():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from write_prefect_yaml import render
+
+    assert (REPO / "prefect.yaml").read_text() == render(), "run: python scripts/write_prefect_yaml.py"
 
 
 def test_unknown_config_field_is_an_error():

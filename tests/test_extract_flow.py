@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from run_queries import artifacts
 from test_verify import write_tokenized
 
 from eyas.config import load_run_config
@@ -45,7 +46,6 @@ def _task_runs(flow_run_id, name):
 
 
 def test_two_worker_tasks_extract_disjoint_shards(prefect_server, tmp_path, tiny_target_dir, random_target_dir):
-    from prefect.client.orchestration import get_client
 
     from flows.extract import extract_flow
 
@@ -61,9 +61,7 @@ def test_two_worker_tasks_extract_disjoint_shards(prefect_server, tmp_path, tiny
     lists = [w["shard_indices"] for w in summary["workers"]]
     assert not set(lists[0]) & set(lists[1])  # disjoint
     assert sorted(lists[0] + lists[1]) == [r.shard_index for r in rows]  # and nothing missed
-    with get_client(sync_client=True) as client:
-        progress = client.read_artifacts(flow_run_filter=None)
-    progress = [a for a in progress if a.key == "extract-progress"]
+    progress = artifacts(state.state_details.flow_run_id, "extract-progress")
     assert progress and progress[0].data == 100.0
     assert f"shards {len(rows)}/{len(rows)}" in progress[0].description
 

@@ -56,13 +56,6 @@ def apply_overrides(config: RunConfig, overrides: dict) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
-def tokenized_num_samples(config: RunConfig) -> int:
-    """Samples in the run's tokenized table (from the Parquet footer; reads no rows)."""
-    import pyarrow.parquet as pq
-
-    return pq.read_metadata(config.paths.tokenized).num_rows
-
-
 def ignored_overrides(config: RunConfig, overrides: dict, *, num_samples: int) -> list[str]:
     """Every override that would not change the training run, with the reason and the fix (empty = all take effect)."""
     from eyas.train import total_steps

@@ -224,6 +224,11 @@ def _write_responses(path: Path, rows, responses, tokenizer) -> None:
     atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
 
 
+def tokenized_num_samples(path: str | Path) -> int:
+    """Samples in a tokenized table (from the Parquet footer; reads no rows)."""
+    return pq.read_metadata(path).num_rows
+
+
 def read_tokenized(path: str | Path) -> tuple[list[list[int]], list[list[int]], str]:
     table = pq.read_table(path)
     meta = read_tokenized_meta(Path(path))

@@ -36,10 +36,10 @@ from eyas.approval import (
     gate_fingerprint,
     ignored_overrides,
     read_approval,
-    tokenized_num_samples,
     write_approval,
 )
 from eyas.config import RunConfig
+from eyas.dataset import tokenized_num_samples
 
 __all__ = ["GATE_SECTIONS", "TrainingApproval", "TrainingApprovalWithOverrides", "TrainingRejected", "approval_gate"]
 MAX_ASKS = 3  # answers with refused overrides before the gate gives up
@@ -129,7 +129,7 @@ def refused_overrides(config: RunConfig, answer: TrainingApproval) -> list[str]:
     overrides = answer.overrides()
     if not answer.approve or not overrides:
         return []
-    num_samples = tokenized_num_samples(config) if "num_epochs" in overrides else 0
+    num_samples = tokenized_num_samples(config.paths.tokenized) if "num_epochs" in overrides else 0
     return ignored_overrides(config, overrides, num_samples=num_samples)
 
 

@@ -6,7 +6,7 @@ The pipeline gates once in its own run and calls this flow with `require_approva
 from prefect import flow
 
 from eyas.config import RunConfig
-from eyas.dataset import read_tokenized
+from eyas.dataset import tokenized_num_samples
 from flows.gate import approval_gate
 from tasks.status import stage_status_artifact
 from tasks.train import gate_summary, launch_torchrun, preflight, smoke_run
@@ -14,7 +14,7 @@ from tasks.train import gate_summary, launch_torchrun, preflight, smoke_run
 
 @flow(name="train-drafter", log_prints=True)
 def train_flow(config: RunConfig, require_approval: bool = True) -> dict:
-    num_samples = len(read_tokenized(config.paths.tokenized)[0])
+    num_samples = tokenized_num_samples(config.paths.tokenized)
     if require_approval:
         smoke = smoke_run(config)
         devices = preflight(config)

@@ -20,7 +20,6 @@ they are declared.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -31,20 +30,15 @@ from prefect.cache_policies import TASK_SOURCE, CachePolicy
 from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 
+from eyas.checksum import checksum_file
 from eyas.config import RunConfig
 from eyas.dataset import dataset_cache_key
 
 WORKDIR_ID = ".eyas-workdir-id"
 
 
-def file_sha256(path: Path) -> str:
-    if not path.is_file():
-        return "absent"
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def file_content(path: Path) -> str:
+    return checksum_file(path) if path.is_file() else "absent"
 
 
 def workdir_id(root: Path) -> str:
@@ -68,10 +62,10 @@ def workdir_id(root: Path) -> str:
 INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
     # prompts file bytes + dataset config + target fingerprint: the dataset's own cache key
     "prompts": lambda c: dataset_cache_key(c.dataset, c.target.model_path),
-    "tokenized": lambda c: file_sha256(c.paths.tokenized),
-    "vocab": lambda c: file_sha256(c.paths.vocab),
+    "tokenized": lambda c: file_content(c.paths.tokenized),
+    "vocab": lambda c: file_content(c.paths.vocab),
     # the local manifest lists every shard with its checksum: it stands for the shards' bytes
-    "manifest": lambda c: file_sha256(c.paths.shards_dir / "manifest.parquet"),
+    "manifest": lambda c: file_content(c.paths.shards_dir / "manifest.parquet"),
 }
 
 

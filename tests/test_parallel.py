@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint import ARCH
 
-from eyas.draft import DraftArch, build_draft
+from eyas.draft import build_draft
 from eyas.parallel import (
     full_model_state,
     full_optimizer_state,
@@ -21,16 +22,6 @@ from eyas.parallel import (
 )
 from eyas.train import TTTObjective, make_optimizer, make_scheduler, train_step
 
-ARCH = DraftArch(
-    hidden_size=16,
-    num_aux=3,
-    target_vocab_size=40,
-    draft_vocab_size=20,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    intermediate_size=32,
-)
 CPU = torch.device("cpu")
 
 

@@ -5,7 +5,7 @@
 Throughput: a random Llama (built here, no download) of `--hidden` x `--layers` is saved as a Hugging
 Face directory; the same samples are (1) run through a bare loop of `model(input_ids,
 attention_mask, output_hidden_states=True)` over exactly the batches eyas forms (per shard, every
-`batch_size` samples from the shard's first), and (2) extracted by `extract_hidden_states` into a
+`batch_size` samples from the shard's first), and (2) extracted by `run_extraction` into a
 fresh directory (forward, copy into the shard tensors, safetensors bytes, sha256, temporary ->
 fsync -> rename, manifest rows, compaction). eyas asks the model for the logits of one position
 only (it needs hidden states), which the bare loop, like most hand-written ones, does not. `throughput_ratio` = tokens/s of (2) / tokens/s of (1),
@@ -36,16 +36,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eyas.config import ExtractConfig  # noqa: E402
-from eyas.extract import (  # noqa: E402
-    ExtractRunMeta,
-    check_run_meta,
-    describe_extraction,
-    extract_hidden_states,
-    resume_plan,
-)  # noqa: E402
-from eyas.manifest import ManifestRow, write_manifest  # noqa: E402
-from eyas.shards import TokenizedDataset, bytes_per_token, plan_shards, shard_filename  # noqa: E402
-from eyas.storage import LocalStorage  # noqa: E402
+from eyas.dataset.table import TokenizedDataset  # noqa: E402
+from eyas.extract.coordinator import run_extraction  # noqa: E402
+from eyas.extract.plan import describe_extraction, resume_plan  # noqa: E402
+from eyas.facts import facts_for  # noqa: E402
+from eyas.shards.format import bytes_per_token, plan_shards, shard_filename  # noqa: E402
+from eyas.shards.manifest import ManifestRow, write_manifest  # noqa: E402
+from eyas.shards.shard_set import ExtractRunMeta, check_run_meta  # noqa: E402
+from eyas.storage.local import LocalStorage  # noqa: E402
 from eyas.target import load_target  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +88,8 @@ def build_target(out: Path, hidden: int, layers: int) -> Path:
 def bare_forward_s(target_path: Path, tokenized: Path, cfg: ExtractConfig) -> float:
     """Seconds of the bare loop over the batches eyas forms (model loaded beforehand, not timed)."""
     dataset = TokenizedDataset(tokenized)
-    _, plan = describe_extraction(dataset=dataset, target_path=target_path, aux_layer_ids=None, extract_cfg=cfg)
+    facts = facts_for(target_path=target_path, tokenized_path=tokenized, shards_dir=tokenized.parent / "unused")
+    _, plan = describe_extraction(cfg, facts)
     model = load_target(target_path, "float32").model
     batches = []
     for p in plan:
@@ -112,15 +111,13 @@ def bare_forward_s(target_path: Path, tokenized: Path, cfg: ExtractConfig) -> fl
 
 
 def eyas_extract_s(target_path: Path, tokenized: Path, cfg: ExtractConfig, root: Path) -> float:
-    """Seconds of extract_hidden_states (model load excluded: it is timed alone and subtracted)."""
+    """Seconds of run_extraction (model load excluded: it is timed alone and subtracted)."""
     shards = root / "shards"
     shutil.rmtree(shards, ignore_errors=True)
     t0 = time.perf_counter()
     load_target(target_path, "float32")
     load_s = time.perf_counter() - t0
-    summary = extract_hidden_states(
-        tokenized_path=tokenized, shards_dir=shards, target_path=target_path, aux_layer_ids=None, extract_cfg=cfg
-    )
+    summary = run_extraction(cfg, facts_for(target_path=target_path, tokenized_path=tokenized, shards_dir=shards))
     return summary.seconds - load_s
 
 

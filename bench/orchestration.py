@@ -4,7 +4,7 @@
 
 Prefect's share. The same work is done twice, each time in a fresh work directory and in its own Python
 process started by this script (so imports count), one after the other on the same machine:
-  - library: the stages as plain calls into `eyas`, the calls each task's body makes, in the pipeline's
+  - library: the library's stage entries as plain calls, the very calls the tasks make, in the pipeline's
     order (dataset + vocab, extraction, verification, smoke run, device preflight, torchrun training,
     export, reference benchmark), and nothing else;
   - prefect: the `pipeline` flow against a real local Prefect server (SQLite) that this script starts on a
@@ -92,114 +92,39 @@ class Timer:
 
 
 def run_library(config) -> dict:
-    """The pipeline's work as plain eyas calls (the bodies of the tasks), timed per stage."""
-    from eyas.bench import run_benchmark, write_benchmark_json
-    from eyas.checkpoint import latest_complete
-    from eyas.dataset import build_dataset, read_prompts, read_tokenized
-    from eyas.export import export_sglang
-    from eyas.extract import extract_hidden_states
-    from eyas.jobs import aux_layer_ids, torchrun_command, train_job, write_train_job
-    from eyas.preflight import device_preflight
-    from eyas.smoke import smoke_train
-    from eyas.target import load_embed_and_lm_head
-    from eyas.verify import expected_shard_meta, raise_if_bad, verify_shards, write_verify_report
-    from eyas.vocab import ensure_vocab
+    """The pipeline's work as plain calls of the library's stage entries (the calls the tasks make), timed per stage."""
+    from eyas.bench.acceptance import bench_run
+    from eyas.dataset.build import build_dataset
+    from eyas.dataset.vocab import build_vocab
+    from eyas.export.convert import export_run
+    from eyas.extract.coordinator import run_extraction
+    from eyas.facts import resolve_facts
+    from eyas.train.launch import train_run
+    from eyas.train.preflight import preflight_run
+    from eyas.train.smoke import smoke_run
+    from eyas.verify.shard_set import raise_if_bad, verify_run
 
-    paths, timer = config.paths, Timer()
-
-    def dataset():
-        build_dataset(config.dataset, config.target.model_path, paths.dataset_dir, target_dtype=config.target.dtype)
-        ids, masks, content_hash = read_tokenized(paths.tokenized)
-        embed, _ = load_embed_and_lm_head(config.target.model_path)
-        ensure_vocab(paths.vocab, ids, masks, content_hash, embed.shape[0], config.dataset.draft_vocab_size)
-        return len(ids)
-
-    def verify():
-        expected = expected_shard_meta(
-            target_path=config.target.model_path,
-            aux_layer_ids=config.target.aux_layer_ids,
-            dtype=config.extract.dtype,
-            tokenized_path=paths.tokenized,
-        )
-        report = verify_shards(
-            shards_dir=paths.shards_dir,
-            tokenized_path=paths.tokenized,
-            expected=expected,
-            mode=config.verify.mode,
-            num_workers=config.verify.num_workers,
-            chunk_bytes=config.verify.chunk_bytes,
-        )
-        write_verify_report(report, paths.verify_report)
-        raise_if_bad(report)
-
-    def smoke():
-        job = train_job(config, output_dir=paths.smoke_dir, max_samples=config.smoke.num_samples)
-        if not smoke_train(job, config.smoke).passed:
-            raise RuntimeError("smoke run failed: the loss did not fall")
-        if not device_preflight(config.train, paths.train_dir).ok:
-            raise RuntimeError("device preflight failed")
-
-    def train():
-        cmd = torchrun_command(config, write_train_job(train_job(config), paths.train_dir / "job.json"))
-        with (
-            open(paths.train_dir / "torchrun.log", "a") as log,
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
-        ):
-            for line in proc.stdout:
-                log.write(line)
-        if proc.returncode != 0:
-            raise RuntimeError(f"torchrun exited with {proc.returncode}; see {paths.train_dir / 'torchrun.log'}")
-
-    def bench():
-        b = config.bench
-        prompts = [r["conversations"] for r in read_prompts(b.prompts_path, b.num_prompts)]
-        result = run_benchmark(
-            config.target.model_path,
-            str(paths.export_dir / "sglang"),
-            prompts,
-            steps=b.steps,
-            max_new_tokens=b.max_new_tokens,
-            topk=b.topk,
-            num_draft_tokens=b.draft_tokens,
-            ngram_max_n=b.ngram_max_n,
-        )
-        write_benchmark_json(result, paths.bench_dir / "benchmark.json")
-        return result["tau_mean"]
-
-    timer("dataset", dataset)
-    timer(
-        "extract",
-        lambda: extract_hidden_states(
-            tokenized_path=paths.tokenized,
-            shards_dir=paths.shards_dir,
-            target_path=config.target.model_path,
-            aux_layer_ids=aux_layer_ids(config),
-            extract_cfg=config.extract,
-            target_dtype=config.target.dtype,
-        ),
-    )
-    timer("verify", verify)
-    timer("smoke", smoke)
-    timer("train", train)
-    timer(
-        "export",
-        lambda: export_sglang(latest_complete(paths.train_dir), paths.export_dir / "sglang", dtype=config.export.dtype),
-    )
-    tau = timer("bench", bench)
-    return {"stages": timer.seconds, "tau_mean": tau}
+    timer = Timer()
+    timer("dataset", lambda: (build_dataset(config), build_vocab(config)))
+    facts = resolve_facts(config)
+    timer("extract", run_extraction, config.extract, facts, target_dtype=config.target.dtype)
+    timer("verify", lambda: raise_if_bad(verify_run(config, facts)))
+    timer("smoke", lambda: (smoke_run(config, facts), preflight_run(config)))
+    timer("train", train_run, config, facts)
+    export_dir = timer("export", export_run, config)
+    result = timer("bench", bench_run, config, export_dir)
+    return {"stages": timer.seconds, "tau_mean": result["tau_mean"]}
 
 
 def run_prefect(config) -> dict:
     """The pipeline flow against the server at PREFECT_API_URL; per-stage times as the server recorded them."""
     from prefect.client.orchestration import get_client
 
-    from flows.gate import GATE_SECTIONS
+    from eyas.gate.approval import gate_fingerprint, write_approval
     from flows.pipeline import pipeline
 
     record = {"approve": True, "reviewer": "bench", "note": "answered in advance: not orchestration time"}
-    record |= {"config_fingerprint": config.fingerprint(*GATE_SECTIONS), "decided_at": "bench"}
-    config.paths.root.mkdir(parents=True, exist_ok=True)
-    (config.paths.root / "approval.json").write_text(json.dumps(record))
+    write_approval(config, record | {"config_fingerprint": gate_fingerprint(config), "decided_at": "bench"})
     started = datetime.now(timezone.utc)
     state = pipeline(config, return_state=True)
     if not state.is_completed():

@@ -17,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eyas.bench import run_benchmark  # noqa: E402
-from eyas.dataset import read_prompts  # noqa: E402
+from eyas.bench.acceptance import run_benchmark  # noqa: E402
+from eyas.dataset.prompts import read_prompts  # noqa: E402
 
 
 def main() -> int:

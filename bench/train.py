@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from eyas.config import DraftConfig, TrainConfig, TrainJob
-from eyas.data import batch_at, collate
-from eyas.synthetic import SyntheticSpec, write_synthetic_run
-from eyas.train import Dist, Trainer, TTTObjective, build_setup, make_optimizer, make_scheduler, train_step
+from eyas.shards.synthetic import SyntheticSpec, write_synthetic_run
+from eyas.train.data import batch_at, collate
+from eyas.train.parallel import Dist
+from eyas.train.trainer import Trainer, TTTObjective, build_setup, make_optimizer, make_scheduler, train_step
 
 SPEC = SyntheticSpec(hidden=128, num_aux=3, vocab=2048, min_len=96, max_len=128, aux_layer_ids=(2, 4, 5))
 
@@ -33,8 +34,8 @@ def make_job(root: Path, steps: int) -> TrainJob:
         num_processes=1,
         global_batch_size=8,
         lr=1e-3,
-        warmup_steps=2,
-        ttt_steps=4,
+        num_warmup_steps=2,
+        num_ttt_steps=4,
         num_epochs=1 + steps // 8,
         max_steps=steps,
         save_every_steps=max(1, steps // 4),
@@ -65,10 +66,10 @@ def time_minimal(job: TrainJob, steps: int) -> float:
     batches = []
     for s in range(steps):
         _, ids = batch_at(s * t.global_batch_size, n, t.global_batch_size, t.seed)
-        batches.append(collate([setup.samples.load_sample(i) for i in ids], 2048, min_len=t.ttt_steps + 1))
-    objective = TTTObjective(setup.draft, setup.head_rows, t.ttt_steps, t.ttt_decay, bf16=False)
+        batches.append(collate([setup.samples.load_sample(i) for i in ids], 2048, min_len=t.num_ttt_steps + 1))
+    objective = TTTObjective(setup.draft, setup.head_rows, t.num_ttt_steps, t.ttt_decay, bf16=False)
     optimizer = make_optimizer(setup.draft, t.lr, t.weight_decay)
-    scheduler = make_scheduler(optimizer, t.warmup_steps, steps)
+    scheduler = make_scheduler(optimizer, t.num_warmup_steps, steps)
     start = time.perf_counter()
     for batch in batches:
         train_step(objective, optimizer, scheduler, batch, t.max_grad_norm)

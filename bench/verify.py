@@ -35,9 +35,10 @@ from safetensors.torch import save as safetensors_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eyas.checksum import checksum_bytes, checksum_file  # noqa: E402
-from eyas.manifest import ManifestRow, write_manifest  # noqa: E402
-from eyas.shards import ShardMeta, shard_filename, write_shard  # noqa: E402
-from eyas.verify import ExpectedShardMeta, verify_shards  # noqa: E402
+from eyas.shards.format import ShardMeta, shard_filename, write_shard  # noqa: E402
+from eyas.shards.manifest import ManifestRow, write_manifest  # noqa: E402
+from eyas.verify.checks import ExpectedShardMeta  # noqa: E402
+from eyas.verify.shard_set import verify_shards  # noqa: E402
 
 TOKENS_PER_SAMPLE = 256
 

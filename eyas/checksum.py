@@ -3,7 +3,7 @@
 It detects corruption (a flipped bit, a truncated or swapped file), not tampering: XXH3 hashes at
 memory speed (about 25 GiB/s on one core here, against 2 GiB/s for SHA-256), so verifying every
 byte of a shard set costs about what reading it costs. S3 uploads still carry a SHA-256 for the
-server to check on arrival (eyas.storage_s3).
+server to check on arrival (eyas.storage.s3).
 """
 
 from __future__ import annotations

@@ -17,8 +17,29 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+# Config keys renamed (old name -> new name): a preset still using an old name is refused with the new one.
+RENAMED_FIELDS: dict[str, dict[str, str]] = {
+    "train": {
+        "ttt_steps": "num_ttt_steps",
+        "warmup_steps": "num_warmup_steps",
+        "keep_last_checkpoints": "num_checkpoints_kept",
+    },
+    "bench": {"steps": "num_steps"},
+}
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _refuse_renamed(section: str, data):
+    """A before-validator body: refuse the section's old field names, naming the new ones."""
+    if isinstance(data, dict):
+        old = sorted(set(data) & set(RENAMED_FIELDS[section]))
+        if old:
+            renames = ", ".join(f"{section}.{o} is now {section}.{RENAMED_FIELDS[section][o]}" for o in old)
+            raise ValueError(f"renamed config fields: {renames}; rename them in the preset (same meaning and value)")
+    return data
 
 
 class TargetConfig(StrictModel):
@@ -103,7 +124,9 @@ class ExtractConfig(StrictModel):
     s3_endpoint_url: str = Field(
         default="", description="S3 API endpoint (MinIO, a local server); empty = AWS or $AWS_ENDPOINT_URL"
     )
-    sglang: SGLangExtractConfig = SGLangExtractConfig()
+    sglang: SGLangExtractConfig = Field(
+        default=SGLangExtractConfig(), description="the SGLang server of the sglang backend (GPU only)"
+    )
 
     @model_validator(mode="after")
     def _fanout_has_deployment(self) -> "ExtractConfig":
@@ -133,13 +156,17 @@ class VerifyConfig(StrictModel):
 class DraftConfig(StrictModel):
     """Shape of the EAGLE-3 draft's single decoder layer; hidden size is the target's."""
 
-    num_attention_heads: int = Field(default=4, ge=1)
-    num_key_value_heads: int = Field(default=2, ge=1)
-    head_dim: int = Field(default=32, ge=8)
-    intermediate_size: int = Field(default=512, ge=8)
-    rms_norm_eps: float = Field(default=1e-5, gt=0)
-    rope_theta: float = Field(default=10000.0, gt=0)
-    max_position_embeddings: int = Field(default=2048, ge=16)
+    num_attention_heads: int = Field(default=4, ge=1, description="attention heads of the draft's decoder layer")
+    num_key_value_heads: int = Field(
+        default=2, ge=1, description="key/value heads (grouped-query attention); divides num_attention_heads"
+    )
+    head_dim: int = Field(default=32, ge=8, description="width of one attention head")
+    intermediate_size: int = Field(default=512, ge=8, description="width of the draft's MLP")
+    rms_norm_eps: float = Field(default=1e-5, gt=0, description="epsilon of the draft's RMSNorms")
+    rope_theta: float = Field(default=10000.0, gt=0, description="rotary embedding base (the target's, usually)")
+    max_position_embeddings: int = Field(
+        default=2048, ge=16, description="longest sequence the draft attends over; longer samples are cut"
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "DraftConfig":
@@ -154,18 +181,20 @@ class DraftConfig(StrictModel):
 class TrainConfig(StrictModel):
     num_processes: int = Field(default=2, ge=1, description="torchrun --nproc_per_node")
     backend: Literal["gloo", "nccl"] = Field(default="gloo", description="torch.distributed backend")
-    num_epochs: int = Field(default=1, ge=1)
+    num_epochs: int = Field(default=1, ge=1, description="passes over the training samples")
     global_batch_size: int = Field(default=8, ge=1, description="samples per optimizer step, all ranks")
     lr: float = Field(default=1e-4, gt=0, description="AdamW peak learning rate")
-    weight_decay: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=10, ge=0)
-    max_grad_norm: float = Field(default=0.5, gt=0)
-    ttt_steps: int = Field(default=7, ge=1, le=16, description="TTT unroll length K")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    num_warmup_steps: int = Field(default=10, ge=0, description="optimizer steps of linear lr warmup")
+    max_grad_norm: float = Field(default=0.5, gt=0, description="gradients are clipped to this total norm")
+    num_ttt_steps: int = Field(default=7, ge=1, le=16, description="TTT unroll length K")
     ttt_decay: float = Field(default=0.8, gt=0, le=1, description="loss weight of unroll step k is decay**k")
-    save_every_steps: int = Field(default=100, ge=1)
-    keep_last_checkpoints: int = Field(default=2, ge=1)
+    save_every_steps: int = Field(default=100, ge=1, description="write a checkpoint every this many optimizer steps")
+    num_checkpoints_kept: int = Field(
+        default=2, ge=1, description="complete checkpoints kept on disk (and in the copy); older ones are deleted"
+    )
     max_steps: int = Field(default=0, ge=0, description="stop after N steps; 0 = run all epochs")
-    seed: int = Field(default=0)
+    seed: int = Field(default=0, description="seed of the draft's initialization and of the sample order")
     mixed_precision: Literal["auto", "bf16", "off"] = Field(
         default="auto", description="auto: bf16 autocast on CUDA, fp32 on CPU; bf16 on CPU is an error"
     )
@@ -182,7 +211,7 @@ class TrainConfig(StrictModel):
         default="",
         description="empty = off; s3://bucket/prefix (or an absolute directory, e.g. a network mount) = rank 0 "
         "copies every complete checkpoint there (each file's checksum in a manifest, the completion marker last) "
-        "and keeps the newest keep_last_checkpoints; a run whose output_dir lacks the copy's newest checkpoint "
+        "and keeps the newest num_checkpoints_kept; a run whose output_dir lacks the copy's newest checkpoint "
         "restores it first (a fresh machine resumes). The other ranks wait while rank 0 copies. Each request is "
         "retried by the storage layer (transient errors with backoff, damaged uploads re-sent); a copy that still "
         "fails stops the run with the error: the local checkpoint is complete, and a re-run resumes from it and "
@@ -192,6 +221,11 @@ class TrainConfig(StrictModel):
         default="",
         description="S3 API endpoint of checkpoint_copy_url (MinIO, a local server); empty = AWS or $AWS_ENDPOINT_URL",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return _refuse_renamed("train", data)
 
     @model_validator(mode="after")
     def _copy_url_is_usable(self) -> "TrainConfig":
@@ -211,8 +245,8 @@ class TrainConfig(StrictModel):
 
 class SmokeConfig(StrictModel):
     num_samples: int = Field(default=8, ge=1, description="samples the smoke run overfits")
-    num_steps: int = Field(default=40, ge=2)
-    lr: float = Field(default=3e-3, gt=0)
+    num_steps: int = Field(default=40, ge=2, description="optimizer steps on the same batch")
+    lr: float = Field(default=3e-3, gt=0, description="constant learning rate of the smoke run")
     min_loss_drop: float = Field(default=0.3, gt=0, lt=1, description="final loss must be below (1 - this) x first")
 
 
@@ -226,22 +260,22 @@ class ApprovalConfig(StrictModel):
 
 
 class ExportConfig(StrictModel):
-    format: Literal["sglang"] = Field(default="sglang")
-    dtype: DType = Field(default="float32")
+    format: Literal["sglang"] = Field(default="sglang", description="the export stage's format (eyas remap converts)")
+    dtype: DType = Field(default="float32", description="dtype of the exported weights")
 
 
 class BenchConfig(StrictModel):
     prompts_path: str = Field(description="held-out prompts JSONL (never the training prompts)")
     num_prompts: int = Field(default=0, ge=0, description="0 = all")
-    steps: int = Field(default=3, ge=1, description="chain length k (topk 1)")
-    max_new_tokens: int = Field(default=64, ge=1)
+    num_steps: int = Field(default=3, ge=1, description="draft steps: chain length k (topk 1), tree depth (topk > 1)")
+    max_new_tokens: int = Field(default=64, ge=1, description="new tokens per held-out prompt at most")
     min_tau: float = Field(default=1.0, ge=0, description="fail the flow when tau_mean is below this")
     engine: Literal["reference", "sglang"] = Field(
         default="reference", description="reference: eyas's loop through hf (CPU or GPU); sglang: a served run (GPU)"
     )
     topk: int = Field(default=1, ge=1, description="1 = chain of `steps`; > 1 = tree (EAGLE-2/3 expansion)")
     num_draft_tokens: int = Field(
-        default=0, ge=0, description="tree size as SGLang counts it (root included); 0 = steps + 1 (a chain)"
+        default=0, ge=0, description="tree size as SGLang counts it (root included); 0 = num_steps + 1 (a chain)"
     )
     ngram_max_n: int = Field(default=3, ge=1, description="longest suffix the n-gram baseline looks up")
     diagnose_num_samples: int = Field(default=8, ge=1, description="shard samples for the teacher-forced check")
@@ -256,12 +290,17 @@ class BenchConfig(StrictModel):
         description="more launch_server flags, e.g. ['--tp-size', '8', '--mem-fraction-static', '0.8']",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return _refuse_renamed("bench", data)
+
     @model_validator(mode="after")
     def _draft_tokens_match_shape(self) -> "BenchConfig":
-        if self.topk == 1 and self.num_draft_tokens not in (0, self.steps + 1):
+        if self.topk == 1 and self.num_draft_tokens not in (0, self.num_steps + 1):
             raise ValueError(
-                f"bench.num_draft_tokens={self.num_draft_tokens} with bench.topk=1 (a chain of steps={self.steps}): "
-                f"expected 0 or steps + 1 = {self.steps + 1}"
+                f"bench.num_draft_tokens={self.num_draft_tokens} with bench.topk=1 (a chain of num_steps="
+                f"{self.num_steps}): expected 0 or num_steps + 1 = {self.num_steps + 1}"
             )
         if self.topk > 1 and self.num_draft_tokens < 2:
             raise ValueError(
@@ -273,22 +312,24 @@ class BenchConfig(StrictModel):
     @property
     def draft_tokens(self) -> int:
         """num_draft_tokens with the chain default resolved."""
-        return self.num_draft_tokens or self.steps + 1
+        return self.num_draft_tokens or self.num_steps + 1
 
 
 class RunConfig(StrictModel):
-    name: str = Field(default="eyas-run", pattern=r"^[a-z0-9][a-z0-9-]*$")
+    name: str = Field(
+        default="eyas-run", pattern=r"^[a-z0-9][a-z0-9-]*$", description="the run's name (lowercase, digits, '-')"
+    )
     workdir: str = Field(description="directory holding every output of the run")
-    target: TargetConfig
-    dataset: DatasetConfig
-    extract: ExtractConfig = ExtractConfig()
-    verify: VerifyConfig = VerifyConfig()
-    draft: DraftConfig = DraftConfig()
-    train: TrainConfig = TrainConfig()
-    smoke: SmokeConfig = SmokeConfig()
-    approval: ApprovalConfig = ApprovalConfig()
-    export: ExportConfig = ExportConfig()
-    bench: BenchConfig
+    target: TargetConfig = Field(description="the target LLM the draft is trained for")
+    dataset: DatasetConfig = Field(description="prompts, regeneration, tokenization and the draft vocab")
+    extract: ExtractConfig = Field(default=ExtractConfig(), description="hidden-state extraction into shards")
+    verify: VerifyConfig = Field(default=VerifyConfig(), description="shard verification and healing")
+    draft: DraftConfig = Field(default=DraftConfig(), description="the draft's decoder layer")
+    train: TrainConfig = Field(default=TrainConfig(), description="the training run under torchrun")
+    smoke: SmokeConfig = Field(default=SmokeConfig(), description="the smoke run before the approval gate")
+    approval: ApprovalConfig = Field(default=ApprovalConfig(), description="the approval gate")
+    export: ExportConfig = Field(default=ExportConfig(), description="the export of the trained draft")
+    bench: BenchConfig = Field(description="the acceptance benchmark on held-out prompts")
 
     @property
     def paths(self) -> "RunPaths":
@@ -304,13 +345,13 @@ class RunConfig(StrictModel):
 class TrainJob(StrictModel):
     """Everything `python -m eyas.train --config job.json` needs, written by the train task."""
 
-    target_path: str
-    shards_dir: str
-    vocab_path: str
-    output_dir: str
-    aux_layer_ids: list[int]
-    draft: DraftConfig
-    train: TrainConfig
+    target_path: str = Field(description="the target's model directory")
+    shards_dir: str = Field(description="the local shard set to train on")
+    vocab_path: str = Field(description="the draft vocab mapping (vocab.safetensors)")
+    output_dir: str = Field(description="checkpoints, metrics.jsonl and final.json go here")
+    aux_layer_ids: list[int] = Field(description="canonical aux layer ids the shards were extracted at")
+    draft: DraftConfig = Field(description="the draft's decoder layer")
+    train: TrainConfig = Field(description="the training run")
     max_samples: int = Field(default=0, ge=0, description="use the first N samples; 0 = all")
 
 
@@ -358,5 +399,6 @@ class RunPaths:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read a preset (JSON) into a RunConfig; relative paths resolve against the repo root."""
+    """Read a preset (JSON) into a RunConfig. Relative paths inside it are kept as written: they are relative to
+    the directory the command runs in (the repo root, for the bundled presets)."""
     return RunConfig.model_validate_json(Path(path).read_text())

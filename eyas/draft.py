@@ -16,7 +16,7 @@ midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, and buffer
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,19 @@ class DraftArch:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, where: str) -> "DraftArch":
+        """A DraftArch from a dict with every required field and no unknown one; `where` names the source."""
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing, unknown = sorted(required - set(data)), sorted(set(data) - names)
+        if missing or unknown:
+            raise ValueError(
+                f"{where}: arch has missing fields {missing} and unknown fields {unknown}; "
+                f"expected the fields of DraftArch {sorted(names)}"
+            )
+        return cls(**data)
 
 
 class RMSNorm(nn.Module):

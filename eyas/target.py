@@ -1,52 +1,50 @@
-"""The target LLM through Hugging Face transformers: loading, fingerprint, aux layer ids, features.
+"""The target LLM: its facts from config.json and weight headers, its fingerprint, loading, features.
 
-Layer ids everywhere in eyas are indices into HF `outputs.hidden_states`
-(0 = embeddings, k = output of layer k-1 = input of layer k). `hidden_states[-1]` of a Llama
-model is taken after the final norm: it is the lm_head input ("last hidden state").
+Layer ids are indices into HF `outputs.hidden_states` (eyas/layer_ids.py). `hidden_states[-1]` of a
+Llama model is taken after the final norm: it is the lm_head input ("last hidden state").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-LAYER_ID_CONVENTION = "hf_hidden_states"
+from pydantic import BaseModel, ConfigDict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name ("float32", "bfloat16", ...)."""
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r}: expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default: inputs of layers 2, N//2 and N-3."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
-    ids = default_aux_layer_ids(num_layers) if configured is None else list(configured)
-    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
-    if bad or len(set(ids)) != len(ids):
-        raise ValueError(
-            f"target.aux_layer_ids={ids}: expected distinct ids in 1..{num_layers - 1} "
-            f"(HF hidden_states indices of a {num_layers}-layer target); found {bad or 'duplicates'}; "
-            f"leave it unset for the default {default_aux_layer_ids(num_layers)}"
-        )
-    return ids
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
+EMBED_KEY = "model.embed_tokens.weight"
+# transformers' from_pretrained is not thread-safe: two model loads overlapping in two threads (extraction
+# workers are threads) leave a tied lm_head on the meta device in most loads. One load at a time.
+HF_LOAD_LOCK = threading.RLock()
 
 
 def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets), its length bounded."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        file_size = os.fstat(f.fileno()).st_size
+        if not 2 <= size <= min(MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(
+                f"{path}: not a safetensors file (header length {size}, file size {file_size} bytes); "
+                "expected the weights of a Hugging Face model directory"
+            )
         return json.loads(f.read(size))
 
 
@@ -58,6 +56,51 @@ def target_fingerprint(model_path: str | Path) -> str:
         h.update(weights.name.encode())
         h.update(json.dumps(read_safetensors_header(weights), sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def target_dims(target_path: str | Path) -> tuple[int, int]:
+    """(num_layers, hidden_size) from the target's config.json, without loading its weights."""
+    from transformers import AutoConfig
+
+    path = Path(target_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target {str(path)!r}: no config.json; expected a Hugging Face model directory")
+    with HF_LOAD_LOCK:
+        cfg = AutoConfig.from_pretrained(path).get_text_config()
+    return int(cfg.num_hidden_layers), int(cfg.hidden_size)
+
+
+def embedding_rows(model_path: str | Path) -> int:
+    """Rows of the target's input embedding (its vocab as the weights have it), from the weight headers."""
+    root = Path(model_path)
+    for weights in sorted(root.glob("*.safetensors")):
+        entry = read_safetensors_header(weights).get(EMBED_KEY)
+        if entry is not None:
+            return int(entry["shape"][0])
+    raise KeyError(f"target {root}: no {EMBED_KEY} in its *.safetensors; expected a Llama-style checkpoint")
+
+
+class TargetFacts(BaseModel):
+    """What every stage needs to know of the target, read from config.json and the weight headers only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int  # rows of the input embedding
+    fingerprint: str
+
+    @classmethod
+    def read(cls, model_path: str | Path) -> "TargetFacts":
+        num_layers, hidden = target_dims(model_path)
+        return cls(
+            model_path=str(model_path),
+            num_layers=num_layers,
+            hidden_size=hidden,
+            vocab_size=embedding_rows(model_path),
+            fingerprint=target_fingerprint(model_path),
+        )
 
 
 @dataclass
@@ -85,11 +128,6 @@ class Target:
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
-
-
-# transformers' from_pretrained is not thread-safe: two model loads overlapping in two threads (extraction
-# workers are threads) leave a tied lm_head on the meta device in most loads. One load at a time.
-HF_LOAD_LOCK = threading.RLock()
 
 
 def load_target(model_path: str | Path, dtype: str = "float32") -> Target:

@@ -27,7 +27,7 @@ STAGES = ("dataset", "extract", "verify", "train", "export", "bench")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from eyas.formats import ENGINE_LOADS
+    from eyas.export.keys import ENGINE_LOADS
 
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,8 +128,8 @@ def run_stage(stage: str, config) -> int:
 
 
 def run_remap(args: argparse.Namespace) -> int:
-    from eyas.formats import FORMATS
-    from eyas.remap import remap_checkpoint
+    from eyas.export.keys import FORMATS
+    from eyas.export.remap import remap_checkpoint
 
     if args.to not in FORMATS:
         print(f"eyas remap --to {args.to}: unknown format; expected one of {sorted(FORMATS)}", file=sys.stderr)
@@ -152,7 +152,7 @@ def run_remap(args: argparse.Namespace) -> int:
 
 def show_status(run: str, as_json: bool) -> int:
     """The run's files, plus its flow runs when a Prefect server answers (none is started for this)."""
-    from eyas.status import format_json, run_status
+    from eyas.status.report import format_json, run_status
     from eyas_cli.server import DEFAULT_API_URL, healthy
 
     try:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flow run {args.run_id}: {'rejected' if args.reject else 'approved'} by {args.reviewer}")
         return 0
     if args.command == "inspect":
-        from eyas.inspect import inspect_drafter
+        from eyas.export.inspect import inspect_drafter
 
         try:
             report = inspect_drafter(args.path, num_target_layers=args.num_target_layers, engine=args.engine)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return show_status(args.run, args.json)
     if args.command == "stop":
-        from eyas.preflight import stop_recorded
+        from eyas.train.preflight import stop_recorded
 
         stopped = stop_recorded(Path(args.train_dir))
         print(f"stopped {stopped}" if stopped else f"no process recorded in {args.train_dir} is running")

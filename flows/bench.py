@@ -1,10 +1,11 @@
 """Flow `benchmark-acceptance`: the exported draft on held-out prompts; a tau below the floor fails
-the flow with a diagnosis of every known cause (eyas/diagnose.py), never a green run."""
+the flow with a diagnosis of every known cause (eyas.bench.diagnose), never a green run."""
 
 from prefect import flow
 
 from eyas.config import RunConfig
-from tasks.bench import diagnose_low_tau, reference_benchmark, sglang_benchmark
+from eyas.export.convert import SGLANG_EXPORT
+from tasks.bench import acceptance_benchmark, diagnose_low_tau
 from tasks.status import stage_status_artifact
 
 
@@ -14,9 +15,10 @@ class AcceptanceTooLow(RuntimeError):
 
 @flow(name="benchmark-acceptance", log_prints=True)
 def bench_flow(config: RunConfig, export_dir: str | None = None) -> dict:
-    export_dir = export_dir or str(config.paths.export_dir / "sglang")
-    engine = sglang_benchmark if config.bench.engine == "sglang" else reference_benchmark
-    result = engine(config, export_dir)
+    """Measure acceptance of the exported draft (bench.engine: reference or SGLang); below bench.min_tau the run
+    fails with the diagnosis. `export_dir`: default RUN/export/sglang."""
+    export_dir = export_dir or str(config.paths.export_dir / SGLANG_EXPORT)
+    result = acceptance_benchmark(config, export_dir)
     stage_status_artifact(config, "bench")
     if result["tau_mean"] < config.bench.min_tau:
         diagnosis = diagnose_low_tau(config, export_dir, result)

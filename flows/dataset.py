@@ -9,6 +9,7 @@ from tasks.status import stage_status_artifact
 
 @flow(name="build-dataset", log_prints=True)
 def build_dataset_flow(config: RunConfig) -> dict:
+    """Regenerate the responses, tokenize the samples and build the draft vocab mapping (each reused when unchanged)."""
     report = regenerate_and_tokenize(config)
     vocab = build_vocab_mapping(config)
     print(

@@ -9,6 +9,7 @@ from tasks.status import stage_status_artifact
 
 @flow(name="export-drafter", log_prints=True)
 def export_flow(config: RunConfig) -> str:
+    """Export the newest complete checkpoint to SGLang's format, checked against its exact key set."""
     export_dir = export_checkpoint(config)
     stage_status_artifact(config, "export")
     return export_dir

@@ -6,23 +6,27 @@ The pipeline gates once in its own run and calls this flow with `require_approva
 from prefect import flow
 
 from eyas.config import RunConfig
-from eyas.dataset import tokenized_num_samples
-from flows.gate import approval_gate
+from eyas.facts import RunFacts
+from tasks.facts import resolve_run_facts
+from tasks.gate import approval_gate, gate_summary
 from tasks.status import stage_status_artifact
-from tasks.train import gate_summary, launch_torchrun, preflight, smoke_run
+from tasks.train import launch_torchrun, preflight, smoke_run
 
 
 @flow(name="train-drafter", log_prints=True)
-def train_flow(config: RunConfig, require_approval: bool = True) -> dict:
-    num_samples = tokenized_num_samples(config.paths.tokenized)
+def train_flow(config: RunConfig, facts: RunFacts | None = None, require_approval: bool = True) -> dict:
+    """Train the draft under torchrun, resuming from the newest complete checkpoint; alone, it asks for approval
+    first (smoke run, device preflight, the gate).
+
+    `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
+    facts = facts or resolve_run_facts(config)
     if require_approval:
-        smoke = smoke_run(config)
+        smoke = smoke_run(config, facts)
         devices = preflight(config)
-        summary = gate_summary(
-            config, {"dataset": {"num_samples": num_samples}}, {"mode": "not run here"}, smoke, devices
-        )
-        approval_gate(config, summary)
-    final = launch_torchrun(config, num_samples)
+        dataset = {"num_samples": facts.num_samples}
+        summary = gate_summary(config, facts, dataset, {"mode": "not run here"}, smoke, devices)
+        approval_gate(config, summary, num_samples=facts.num_samples)
+    final = launch_torchrun(config, facts)
     print(f"training finished: {final}")
     stage_status_artifact(config, "train")
     return final

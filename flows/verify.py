@@ -4,23 +4,28 @@ bad shards are quarantined with their reasons, re-extracted and verified again."
 from prefect import flow
 
 from eyas.config import RunConfig
-from eyas.verify import raise_if_bad
+from eyas.facts import RunFacts
+from eyas.verify.shard_set import raise_if_bad
 from flows.extract import extract_flow
-from tasks.extract import quarantine_bad, verify_shard_set
+from tasks.facts import resolve_run_facts
 from tasks.status import stage_status_artifact
+from tasks.verify import quarantine_bad, verify_shard_set
 
 
 @flow(name="verify-shards", log_prints=True)
-def verify_flow(config: RunConfig) -> dict:
-    """Verify every shard; quarantine, re-extract and re-verify bad ones up to num_heal_rounds times."""
-    report = verify_shard_set(config)
+def verify_flow(config: RunConfig, facts: RunFacts | None = None) -> dict:
+    """Verify every shard; quarantine, re-extract and re-verify bad ones up to num_heal_rounds times.
+
+    `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
+    facts = facts or resolve_run_facts(config)
+    report = verify_shard_set(config, facts)
     quarantined, rounds = [], 0
     while not report.ok and rounds < config.verify.num_heal_rounds:
         rounds += 1
         print(f"healing round {rounds}: {len(report.bad_files)} bad shards, {len(report.problems)} directory problems")
-        quarantined += quarantine_bad(config, report)
-        extract_flow(config)
-        report = verify_shard_set(config, heal_round=rounds)
+        quarantined += quarantine_bad(config, facts, report)
+        extract_flow(config, facts)
+        report = verify_shard_set(config, facts, heal_round=rounds)
     stage_status_artifact(config, "verify")
     raise_if_bad(report, heal_rounds=rounds)
     summary = {

@@ -32,7 +32,8 @@ from prefect.utilities.hashing import hash_objects
 
 from eyas.checksum import checksum_file
 from eyas.config import RunConfig
-from eyas.dataset import dataset_cache_key
+from eyas.dataset.build import dataset_cache_key
+from eyas.shards.manifest import MANIFEST_NAME
 
 WORKDIR_ID = ".eyas-workdir-id"
 
@@ -65,7 +66,7 @@ INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
     "tokenized": lambda c: file_content(c.paths.tokenized),
     "vocab": lambda c: file_content(c.paths.vocab),
     # the local manifest lists every shard with its checksum: it stands for the shards' bytes
-    "manifest": lambda c: file_content(c.paths.shards_dir / "manifest.parquet"),
+    "manifest": lambda c: file_content(c.paths.shards_dir / MANIFEST_NAME),
 }
 
 

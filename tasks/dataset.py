@@ -5,9 +5,8 @@ from __future__ import annotations
 from prefect import task
 
 from eyas.config import RunConfig
-from eyas.dataset import build_dataset, read_tokenized
-from eyas.target import load_embed_and_lm_head
-from eyas.vocab import ensure_vocab, load_vocab
+from eyas.dataset.build import build_dataset
+from eyas.dataset.vocab import build_vocab
 from tasks.caching import cached_by
 from tasks.reporting import StageProgress, table_artifact
 from tasks.retry import TRANSIENT_IO
@@ -18,13 +17,7 @@ from tasks.retry import TRANSIENT_IO
 def regenerate_and_tokenize(config: RunConfig) -> dict:
     """Regenerate responses with the target and write the tokenized table (reused when unchanged)."""
     with StageProgress("dataset-progress", "regenerating responses", "samples_done", "samples_total") as progress:
-        report = build_dataset(
-            config.dataset,
-            config.target.model_path,
-            config.paths.dataset_dir,
-            target_dtype=config.target.dtype,
-            progress=progress,
-        )
+        report = build_dataset(config, progress=progress)
     table_artifact("dataset-report", [report.to_dict()], "tokenized dataset")
     return report.to_dict()
 
@@ -33,13 +26,4 @@ def regenerate_and_tokenize(config: RunConfig) -> dict:
 @task(name="build-vocab-mapping", **cached_by(("target", "dataset"), ("tokenized",)), **TRANSIENT_IO)
 def build_vocab_mapping(config: RunConfig) -> dict:
     """Count loss-masked tokens and write d2t/t2d for the draft vocab (cached by content hash)."""
-    ids, masks, content_hash = read_tokenized(config.paths.tokenized)
-    embed, _ = load_embed_and_lm_head(config.target.model_path)
-    built = ensure_vocab(config.paths.vocab, ids, masks, content_hash, embed.shape[0], config.dataset.draft_vocab_size)
-    d2t, t2d, _ = load_vocab(config.paths.vocab)
-    return {
-        "built": built,
-        "draft_vocab_size": d2t.numel(),
-        "target_vocab_size": t2d.numel(),
-        "content_hash": content_hash,
-    }
+    return build_vocab(config)

@@ -91,12 +91,3 @@ def png_artifact(key: str, figure, description: str) -> None:
     figure.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     create_image_artifact(image_url=uri, key=key, description=description)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    if not rows:
-        return "_(none)_"
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from eyas.config import RunConfig
-from eyas.status import STAGES, record_run_config, run_status
+from eyas.status.report import STAGES, record_run_config, run_status
 from tasks.reporting import markdown_artifact
 
 # The flows of eyas, by their Prefect names (flows/*.py).

@@ -1,10 +1,10 @@
-"""A flow that only gates (flows/gate.py): tests/test_crash_vm.py deploys it to exercise the suspend path
+"""A flow that only gates (tasks/gate.py): tests/test_crash_vm.py deploys it to exercise the suspend path
 without running the stages before the gate."""
 
 from prefect import flow
 
 from eyas.config import RunConfig
-from flows.gate import approval_gate
+from tasks.gate import approval_gate
 
 
 @flow(name="gate-probe", log_prints=True)

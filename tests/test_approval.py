@@ -1,4 +1,4 @@
-"""Approval records and overrides (eyas.approval), without Prefect."""
+"""Approval records and overrides (eyas.gate.approval), without Prefect."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from eyas.approval import apply_overrides, ignored_overrides, read_approval, write_approval
 from eyas.config import load_run_config
+from eyas.gate.approval import apply_overrides, ignored_overrides, read_approval, write_approval
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def config(tmp_path, tiny_target_dir):
 
 
 def record_for(config, **fields) -> dict:
-    from eyas.approval import gate_fingerprint
+    from eyas.gate.approval import gate_fingerprint
 
     return {
         "approve": True,

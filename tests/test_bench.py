@@ -10,23 +10,19 @@ import torch
 from draft_fixtures import ARCH, AUX_IDS
 from safetensors.torch import save_file
 
-from eyas.bench import (
-    BENCHMARK_FIELDS,
+from eyas.bench.acceptance import BENCHMARK_FIELDS, encode_prompts, run_benchmark, write_benchmark_json
+from eyas.bench.proposers import DraftProposer, NgramProposer
+from eyas.bench.reference import (
     DecodeResult,
-    DraftProposer,
     LosslessError,
-    NgramProposer,
     accept_rates,
     check_lossless,
-    encode_prompts,
     greedy_decode,
     load_target_float64,
     reference_decode,
-    run_benchmark,
-    write_benchmark_json,
 )
 from eyas.draft import build_draft
-from eyas.export import export_sglang
+from eyas.export.convert import export_sglang
 from eyas.target import embed_weight, target_fingerprint
 
 PROMPTS = [[(37 * i + 11 * j) % 2047 + 1 for j in range(6 + 3 * i)] for i in range(3)]
@@ -142,7 +138,7 @@ def test_check_lossless_names_prompt_and_first_difference():
     assert str(err.value) == (
         "prompt 3 (trained draft): speculative decoding differs from greedy decoding at new-token position 2 "
         "(speculative 7, greedy 8; lengths 4 and 4); the decoding loop is not lossless: this is a bug in "
-        "eyas/bench_reference.py or a nondeterministic target"
+        "eyas/bench/reference.py or a nondeterministic target"
     )
     expected = r"at new-token position 2 \(speculative <end>, greedy 8; lengths 2 and 3\)"
     with pytest.raises(LosslessError, match=expected):
@@ -158,7 +154,7 @@ def test_float32_target_is_refused(random_target_dir, random_draft):
 def test_encode_prompts_takes_ids_text_and_conversations(random_target_dir):
     from transformers import AutoTokenizer
 
-    from eyas.dataset import prompt_token_ids
+    from eyas.dataset.prompts import prompt_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(random_target_dir)
     conversation = [{"role": "user", "content": "import os\n"}]

@@ -7,7 +7,7 @@ import json
 import pytest
 from draft_fixtures import train_and_export, write_shards
 
-from eyas.bench_reference import load_target_float64
+from eyas.bench.reference import load_target_float64
 from eyas.config import RunConfig
 from eyas.target import target_fingerprint
 
@@ -26,7 +26,7 @@ def low_tau_run(random_target_dir, tmp_path):
         workdir=str(tmp_path / "run"),
         target={"model_path": str(random_target_dir)},
         dataset={"prompts_path": str(prompts)},
-        bench={"prompts_path": str(prompts), "steps": 2, "max_new_tokens": 6, "min_tau": 2.0},
+        bench={"prompts_path": str(prompts), "num_steps": 2, "max_new_tokens": 6, "min_tau": 2.0},
     )
     return config, export
 

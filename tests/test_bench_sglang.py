@@ -2,32 +2,28 @@
 
 The double (tests/sglang_double.py) speaks SGLang's documented protocol: GET /health, POST /generate
 with meta_info.completion_tokens and, only with speculation, meta_info.spec_verify_ct.
-The real run is `test_real_sglang_eagle3_run` behind the `gpu` marker.
+The real run is `test_real_sglang_accepts_the_draft_about_as_the_reference_engine_does` behind the `gpu` marker.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from eyas.bench_sglang import (
+from eyas.bench.sglang import (
     LaunchFlagError,
-    SglangLaunch,
-    SglangServerError,
-    build_launch_command,
     check_launch_command,
     lint_launch_command,
     run_sglang_benchmark,
     sglang_tau,
 )
+from eyas.engines.sglang import SglangLaunch, SglangServerError, build_launch_command
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO_EXPORT = REPO / "runs" / "demo" / "export" / "sglang"
 
 
 def free_port() -> int:
@@ -162,19 +158,52 @@ def test_a_launch_with_bad_flags_never_starts_a_server(export, tmp_path):
     assert not (tmp_path / "sglang-eagle3.log").exists()
 
 
+# SGLang's tau on the same draft and prompts may fall this much short of the reference engine's: SGLang runs the
+# target in bfloat16 (ties broken differently) and counts the prefill's token in completion_tokens.
+SGLANG_TAU_MARGIN = 0.85
+
+
 @pytest.mark.gpu
-def test_real_sglang_eagle3_run(tmp_path):
-    """The demo's exported draft on the tiny target, served by a real SGLang (GPU, sglang installed)."""
+def test_real_sglang_accepts_the_draft_about_as_the_reference_engine_does(tmp_path):
+    """A draft trained here on the tiny target (the demo's pipeline, by its library entries), exported, then
+    benchmarked on the held-out prompts by the reference engine and by a real SGLang (GPU, sglang installed)."""
     pytest.importorskip("sglang")
-    if not DEMO_EXPORT.is_dir():
-        pytest.skip(f"{DEMO_EXPORT} missing: run `make demo` first")
-    draft = tmp_path / "draft"
-    shutil.copytree(DEMO_EXPORT, draft)
-    launch = SglangLaunch(
-        target_path=str(REPO / "fixtures" / "tiny-target"), draft_path=str(draft), port=free_port(),
-        extra_args=("--mem-fraction-static", "0.3", "--disable-cuda-graph"),
-    )  # fmt: skip
-    prompts = [[1 + (7 * i + j) % 2000 for j in range(16)] for i in range(8)]
-    result = run_sglang_benchmark(launch, prompts, max_new_tokens=32, concurrency=8, log_dir=tmp_path)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("tau_per_prompt",)}))
-    assert 1.0 <= result["tau_mean"] <= launch.steps + 1
+    from eyas.bench.acceptance import bench_run
+    from eyas.config import load_run_config
+    from eyas.dataset.build import build_dataset
+    from eyas.dataset.vocab import build_vocab
+    from eyas.export.convert import export_run
+    from eyas.extract.coordinator import run_extraction
+    from eyas.facts import resolve_facts
+    from eyas.train.launch import train_run
+    from eyas.verify.shard_set import raise_if_bad, verify_run
+
+    preset = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    config = preset.model_copy(update={"workdir": str(tmp_path / "run")})
+    for name in ("target", "dataset", "bench"):  # the preset's relative paths, from the repo root
+        section = getattr(config, name)
+        key = {"target": "model_path"}.get(name, "prompts_path")
+        config = config.model_copy(update={name: section.model_copy(update={key: str(REPO / getattr(section, key))})})
+    build_dataset(config)
+    build_vocab(config)
+    facts = resolve_facts(config)
+    run_extraction(config.extract, facts)
+    raise_if_bad(verify_run(config, facts))
+    train_run(config, facts)
+    export = export_run(config)
+    reference = bench_run(config, export)
+    served = config.model_copy(
+        update={
+            "bench": config.bench.model_copy(
+                update={
+                    "engine": "sglang",
+                    "sglang_port": free_port(),
+                    "sglang_extra_args": ["--mem-fraction-static", "0.3", "--disable-cuda-graph"],
+                }
+            )
+        }
+    )
+    result = bench_run(served, export)
+    print(json.dumps({"reference_tau": reference["tau_mean"], "sglang_tau": result["tau_mean"]}))
+    assert reference["tau_mean"] >= config.bench.min_tau  # the draft is a real one
+    assert result["tau_mean"] >= SGLANG_TAU_MARGIN * reference["tau_mean"], (result["tau_mean"], reference["tau_mean"])

@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 import torch
+from draft_fixtures import write_checkpoint
 from safetensors.torch import load_file, save_file
-from test_export import write_checkpoint
 
-from eyas.export import ExportError, export_checkpoint
-from eyas.inspect import inspect_drafter
-from eyas.remap import remap_checkpoint
+from eyas.export.convert import ExportError, export_checkpoint
+from eyas.export.inspect import inspect_drafter
+from eyas.export.remap import remap_checkpoint
 from eyas_cli.main import main
 
 
@@ -186,7 +186,7 @@ def test_inspect_does_not_import_torch(clean):
     import sys
 
     code = (
-        "import sys; from eyas.inspect import inspect_drafter; "
+        "import sys; from eyas.export.inspect import inspect_drafter; "
         f"r = inspect_drafter({str(clean)!r}); assert r.ok, r.problems; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

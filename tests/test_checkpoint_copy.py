@@ -1,4 +1,4 @@
-"""eyas.checkpoint_copy: copies of complete checkpoints on a real S3 API server (moto) and in a directory,
+"""eyas.train.checkpoint_copy: copies of complete checkpoints on a real S3 API server (moto) and in a directory,
 their rotation, and restore into an empty output dir; plus the trainer's use of them."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import boto3
 import pytest
-from test_checkpoint import save
+from draft_fixtures import save
 
-from eyas.checkpoint import CheckpointError, latest_complete, list_checkpoints
-from eyas.checkpoint_copy import copy_checkpoint, copy_steps, restore_latest, rotate_copies
 from eyas.checksum import checksum_bytes
-from eyas.storage import LocalStorage
-from eyas.storage_s3 import S3Storage
+from eyas.storage.local import LocalStorage
+from eyas.storage.s3 import S3Storage
+from eyas.train.checkpoint import CheckpointError, latest_complete, list_checkpoints
+from eyas.train.checkpoint_copy import copy_checkpoint, copy_steps, restore_latest, rotate_copies
 
 FILES = ["COMPLETE", "arch.json", "model.safetensors", "optimizer.pt", "rng.pt", "scheduler.pt", "trainer_state.json"]
 

@@ -32,9 +32,9 @@ from run_queries import (
 )
 from safetensors.torch import load_file
 
-from eyas.checkpoint import latest_complete
 from eyas.config import load_run_config
-from eyas.manifest import done_shard_indices, read_manifest
+from eyas.shards.manifest import done_shard_indices, read_manifest
+from eyas.train.checkpoint import latest_complete
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def small_config(workdir: Path, tiny: Path, **approval):
             ),
             "extract": base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 1}),
             "train": base.train.model_copy(
-                update={"num_epochs": 3, "global_batch_size": 4, "save_every_steps": 5, "warmup_steps": 2}
+                update={"num_epochs": 3, "global_batch_size": 4, "save_every_steps": 5, "num_warmup_steps": 2}
             ),
             "smoke": base.smoke.model_copy(update={"num_samples": 2, "num_steps": 30}),
             "approval": base.approval.model_copy(update={"timeout_s": 900, **approval}),
@@ -119,12 +119,14 @@ class Timeline:
 
 def reference_outputs(config, ref: Path, log) -> subprocess.Popen:
     """An uninterrupted extraction of the same tokenized table, then an uninterrupted training on it."""
-    from eyas.approval import apply_overrides
-    from eyas.jobs import train_job
+    from eyas.facts import resolve_facts
+    from eyas.gate.approval import apply_overrides
+    from eyas.train.launch import train_job
 
     ref.mkdir(parents=True, exist_ok=True)
     (ref / "extract.json").write_text(config.extract.model_dump_json())
-    job = train_job(apply_overrides(config, {"num_epochs": NUM_EPOCHS}), output_dir=ref / "train")
+    facts = resolve_facts(config)
+    job = train_job(apply_overrides(config, {"num_epochs": NUM_EPOCHS}), facts, output_dir=ref / "train")
     (ref / "job.json").write_text(job.model_copy(update={"shards_dir": str(ref / "shards")}).model_dump_json())
     py = sys.executable
     script = (

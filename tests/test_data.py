@@ -6,57 +6,16 @@ give a tiny synthetic run (eyas.synthetic) and a TrainJob over it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from run_fixtures import AUX_LAYER_IDS, SPEC, write_tiny_run
 
-from eyas.config import DraftConfig, TrainConfig, TrainJob
-from eyas.data import (
-    ShardDataError,
-    ShardSamples,
-    batch_at,
-    collate,
-    global_order,
-    rank_slice,
-)
-from eyas.synthetic import SyntheticSpec, write_synthetic_run
+from eyas.shards.reader import ShardDataError, ShardSamples
+from eyas.train.data import batch_at, collate, global_order, rank_slice
 
-SPEC = SyntheticSpec()
 HIDDEN, NUM_AUX, VOCAB, DRAFT_VOCAB = SPEC.hidden, SPEC.num_aux, SPEC.vocab, SPEC.draft_vocab
-AUX_LAYER_IDS = list(SPEC.aux_layer_ids)
-
-
-def write_tiny_run(root: Path, *, num_samples: int = 32, per_shard: int = 10, seed: int = 0) -> dict:
-    return write_synthetic_run(root, num_samples=num_samples, per_shard=per_shard, seed=seed)
-
-
-def tiny_job(run: dict, output_dir: Path, **train) -> TrainJob:
-    """A TrainJob over a tiny run: a small draft, 3 TTT steps, gloo."""
-    defaults = dict(
-        num_processes=2,
-        backend="gloo",
-        global_batch_size=8,
-        lr=1e-2,
-        warmup_steps=1,
-        ttt_steps=3,
-        save_every_steps=2,
-        keep_last_checkpoints=2,
-        seed=0,
-    )
-    return TrainJob(
-        target_path=str(run["target"]),
-        shards_dir=str(run["shards"]),
-        vocab_path=str(run["vocab"]),
-        output_dir=str(output_dir),
-        aux_layer_ids=AUX_LAYER_IDS,
-        draft=DraftConfig(
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=64
-        ),
-        train=TrainConfig(**{**defaults, **train}),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +34,7 @@ def test_load_sample_returns_the_written_sample_from_its_shard(tiny_run):
         assert torch.equal(got["loss_mask"], want["loss_mask"])
         assert torch.equal(got["aux_hidden"], want["aux_hidden_states"])
         assert torch.equal(got["last_hidden"], want["last_hidden_states"])
-    assert samples.metadata["aux_layer_ids"] == AUX_LAYER_IDS and samples.metadata["hidden_size"] == HIDDEN
+    assert list(samples.meta.aux_layer_ids) == AUX_LAYER_IDS and samples.meta.hidden_size == HIDDEN
 
 
 def test_max_samples_keeps_the_first_samples(tiny_run):
@@ -90,11 +49,7 @@ def test_manifest_gap_is_refused(tmp_path, tiny_run):
     shards.mkdir()
     table = pq.read_table(tiny_run["shards"] / "manifest.parquet").to_pylist()
     pq.write_table(pa.Table.from_pylist([table[0], table[2]]), shards / "manifest.parquet")
-    with pytest.raises(
-        ShardDataError,
-        match=r"shard shard-00002.safetensors covers samples \[20, 25\), "
-        r"expected it to start at 10",
-    ):
+    with pytest.raises(ShardDataError, match=r"manifest.parquet: samples 10..19 are in no shard of the manifest"):
         ShardSamples(shards)
 
 

@@ -3,8 +3,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from eyas.config import DatasetConfig
-from eyas.dataset import DatasetError, build_dataset, check_conversation, read_tokenized
+from eyas.config import DatasetConfig, RunConfig
+from eyas.dataset.build import build_dataset, read_dataset_report
+from eyas.dataset.prompts import DatasetError, check_conversation
+from eyas.dataset.table import read_dataset_hash
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
@@ -17,6 +19,18 @@ def write_prompts(path, n=6, repeats=(1, 2)):
     return path
 
 
+def build(cfg: DatasetConfig, target, out):
+    """build_dataset for a run whose dataset dir is `out`."""
+    config = RunConfig(
+        workdir=str(out.parent),
+        target={"model_path": str(target)},
+        dataset=cfg,
+        bench={"prompts_path": cfg.prompts_path},
+    )
+    assert config.paths.dataset_dir.name == out.name == "dataset"
+    return build_dataset(config)
+
+
 def test_roles_must_alternate_and_end_with_user():
     row = {"id": "x", "conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
     with pytest.raises(DatasetError, match=r"roles \['user', 'user'\]; expected alternating user/assistant"):
@@ -25,24 +39,26 @@ def test_roles_must_alternate_and_end_with_user():
 
 def test_dataset_masks_exactly_the_regenerated_response(tmp_path, random_target_dir):
     cfg = DatasetConfig(prompts_path=str(write_prompts(tmp_path / "p.jsonl")), max_new_tokens=5, draft_vocab_size=64)
-    report = build_dataset(cfg, random_target_dir, tmp_path / "out")
-    ids, masks, chash = read_tokenized(tmp_path / "out" / "tokenized.parquet")
+    report = build(cfg, random_target_dir, tmp_path / "dataset")
+    table = pq.read_table(tmp_path / "dataset" / "tokenized.parquet")
+    ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    chash = read_dataset_hash(tmp_path / "dataset" / "tokenized.parquet")
     assert report.num_samples == 6 and chash == report.content_hash
     for x, m in zip(ids, masks):
         assert len(x) == len(m)
         assert m == sorted(m)  # prompt zeros, then response ones
         assert 1 <= sum(m) <= 5
-    assert (tmp_path / "out" / "responses.jsonl").read_text().count('"assistant"') == 6
+    assert (tmp_path / "dataset" / "responses.jsonl").read_text().count('"assistant"') == 6
 
 
 def test_unchanged_dataset_is_reused(tmp_path, random_target_dir):
     cfg = DatasetConfig(prompts_path=str(write_prompts(tmp_path / "p.jsonl")), max_new_tokens=3, draft_vocab_size=64)
-    first = build_dataset(cfg, random_target_dir, tmp_path / "out")
-    mtime = (tmp_path / "out" / "tokenized.parquet").stat().st_mtime_ns
-    again = build_dataset(cfg, random_target_dir, tmp_path / "out")
+    first = build(cfg, random_target_dir, tmp_path / "dataset")
+    mtime = (tmp_path / "dataset" / "tokenized.parquet").stat().st_mtime_ns
+    again = build(cfg, random_target_dir, tmp_path / "dataset")
     assert again.reused and again.content_hash == first.content_hash
-    assert (tmp_path / "out" / "tokenized.parquet").stat().st_mtime_ns == mtime
-    changed = build_dataset(cfg.model_copy(update={"max_new_tokens": 4}), random_target_dir, tmp_path / "out")
+    assert (tmp_path / "dataset" / "tokenized.parquet").stat().st_mtime_ns == mtime
+    changed = build(cfg.model_copy(update={"max_new_tokens": 4}), random_target_dir, tmp_path / "dataset")
     assert not changed.reused and changed.num_loss_tokens > first.num_loss_tokens
 
 
@@ -50,22 +66,29 @@ def test_all_zero_loss_masks_fail_loudly(tmp_path, random_target_dir):
     prompts = write_prompts(tmp_path / "p.jsonl", n=2, repeats=(1,))
     cfg = DatasetConfig(prompts_path=str(prompts), max_new_tokens=2, max_length=30, draft_vocab_size=64)
     with pytest.raises(DatasetError, match=r"2 of 2 samples have an all-zero loss mask"):
-        build_dataset(cfg, random_target_dir, tmp_path / "out")
-    assert not (tmp_path / "out" / "tokenized.parquet").exists()
+        build(cfg, random_target_dir, tmp_path / "dataset")
+    assert not (tmp_path / "dataset" / "tokenized.parquet").exists()
 
 
 def test_truncation_that_drops_most_of_a_sample_fails(tmp_path, random_target_dir):
     prompts = write_prompts(tmp_path / "p.jsonl", n=2, repeats=(2,))
     cfg = DatasetConfig(prompts_path=str(prompts), max_new_tokens=2, max_length=30, draft_vocab_size=64)
     with pytest.raises(DatasetError, match=r"sample p0: \d+ tokens, truncation to dataset.max_length=30 drops most"):
-        build_dataset(cfg, random_target_dir, tmp_path / "out")
+        build(cfg, random_target_dir, tmp_path / "dataset")
 
 
 def test_table_schema_is_the_shard_contract(tmp_path, random_target_dir):
     cfg = DatasetConfig(
         prompts_path=str(write_prompts(tmp_path / "p.jsonl", n=2)), max_new_tokens=2, draft_vocab_size=64
     )
-    build_dataset(cfg, random_target_dir, tmp_path / "out")
-    schema = pq.read_schema(tmp_path / "out" / "tokenized.parquet")
+    build(cfg, random_target_dir, tmp_path / "dataset")
+    schema = pq.read_schema(tmp_path / "dataset" / "tokenized.parquet")
     assert schema.names == ["sample_index", "id", "input_ids", "loss_mask", "num_tokens"]
     assert b"eyas.content_hash" in schema.metadata
+
+
+def test_a_report_changed_by_hand_is_an_error_naming_its_file(tmp_path):
+    (tmp_path / "report.json").write_text('{"num_samples": 3,')
+    with pytest.raises(ValueError, match=f"{tmp_path / 'report.json'}: not valid JSON.*delete it"):
+        read_dataset_report(tmp_path)
+    assert read_dataset_report(tmp_path / "absent") is None

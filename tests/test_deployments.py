@@ -47,7 +47,17 @@ def test_deployment_parameters_validate_when_loaded_from_the_entrypoint(prefect_
         flow = load_flow_from_entrypoint(deployment["entrypoint"])
     finally:
         os.chdir(cwd)
-    extra = {"worker_index": 0, "shard_indices": [0]} if deployment["name"].startswith("extract-worker") else {}
+    facts = {  # what a coordinator passes along (eyas.facts.RunFacts)
+        "target": {"model_path": "t", "num_layers": 8, "hidden_size": 128, "vocab_size": 512, "fingerprint": "f"},
+        "aux_layer_ids": [2, 4, 5],
+        "tokenized_path": "runs/demo/dataset/tokenized.parquet",
+        "dataset_hash": "h",
+        "num_samples": 1,
+        "shards_dir": "runs/demo/shards",
+        "storage_url": "runs/demo/shards",
+    }
+    worker = {"facts": facts, "worker_index": 0, "shard_indices": [0]}
+    extra = worker if deployment["name"].startswith("extract-worker") else {}
     extra |= {"export_dir": "runs/demo/export"} if "export_dir" in flow.parameters.properties else {}
     validated = flow.validate_parameters({**deployment["parameters"], **extra})
     assert isinstance(validated["config"], RunConfig)

@@ -10,8 +10,8 @@ import pytest
 from draft_fixtures import AUX_IDS, train_and_export, write_shards
 from safetensors.torch import load_file, save_file
 
-from eyas.bench_reference import load_target_float64
-from eyas.diagnose import diagnose
+from eyas.bench.diagnose import diagnose
+from eyas.bench.reference import load_target_float64
 from eyas.target import target_fingerprint
 
 

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from test_formats import ARCH
+from draft_fixtures import ARCH
 
-from eyas.dialects import NORM_OPTIONS, WRITTEN_NORM_OPTIONS, ConfigError, read_config, vocab_problems, write_config
-from eyas.formats import FORMATS
+from eyas.draft_keys import vocab_mapping_problems
+from eyas.export.configs import (
+    NORM_OPTIONS,
+    WRITTEN_NORM_OPTIONS,
+    ConfigError,
+    read_config,
+    write_config,
+)
+from eyas.export.keys import FORMATS
 
 IDS = [2, 16, 29]  # canonical, a 32-layer target
 
@@ -90,8 +97,8 @@ def test_a_config_without_llama_fields_is_refused():
 
 
 def test_vocab_problems_match_eyas_vocab_messages():
-    assert vocab_problems([0, 1, 1], [True, False, True, False, True, True], 3) == [
+    assert vocab_mapping_problems([0, 1, 1], [True, False, True, False, True, True], 3) == [
         "t2d marks 4 target ids, d2t has 3, expected draft_vocab_size=3; the vocab mapping does not belong to "
         "this draft: rebuild it with the same draft_vocab_size"
     ]
-    assert vocab_problems([0, 1, 2], [True, False, True, False, True], 3) == []
+    assert vocab_mapping_problems([0, 1, 2], [True, False, True, False, True], 3) == []

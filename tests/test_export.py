@@ -7,46 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from draft_fixtures import ARCH, AUX_IDS
+from draft_fixtures import ARCH, AUX_IDS, write_checkpoint
 from safetensors.torch import load_file, save_file
 
+from eyas.dataset.vocab import VocabMappingError
 from eyas.draft import DraftArch, build_draft
-from eyas.export import ExportError, export_sglang, load_exported_draft, read_checkpoint, read_export_provenance
-from eyas.formats import KeyCheckError, expected_sglang_shapes
-from eyas.vocab import VocabMappingError
-
-
-def vocab_mapping(arch: DraftArch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(arch.target_vocab_size, generator=g)[: arch.draft_vocab_size].sort().values
-    t2d = torch.zeros(arch.target_vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(arch.draft_vocab_size), t2d
-
-
-def write_checkpoint(path: Path, arch: DraftArch = ARCH, aux_ids=AUX_IDS, state_edit=None, embed=None) -> Path:
-    """A complete training checkpoint as eyas/checkpoint.py writes it (norm weights perturbed)."""
-    d2t, t2d = vocab_mapping(arch)
-    g = torch.Generator().manual_seed(1)
-    embed = torch.randn(arch.target_vocab_size, arch.hidden_size, generator=g) if embed is None else embed
-    draft = build_draft(arch, embed, d2t, t2d, seed=3)
-    state = {k: v.clone().contiguous() for k, v in draft.state_dict().items()}
-    for k in state:
-        if k.endswith("norm.weight"):
-            state[k] = 1 + 0.1 * torch.randn(state[k].shape, generator=g)
-    if state_edit:
-        state_edit(state)
-    path.mkdir(parents=True)
-    save_file(state, str(path / "model.safetensors"))
-    meta = {
-        "arch": arch.to_dict(),
-        "aux_layer_ids": list(aux_ids),
-        "layer_id_convention": "hf_hidden_states",
-        "target_fingerprint": "abc123",
-    }
-    (path / "arch.json").write_text(json.dumps(meta))
-    (path / "COMPLETE").write_text("")
-    return path
+from eyas.draft_keys import KeyCheckError
+from eyas.export.convert import ExportError, export_sglang, load_exported_draft, read_checkpoint, read_export_provenance
+from eyas.export.keys import expected_shapes
+from eyas.train.checkpoint import CheckpointError
 
 
 @pytest.fixture
@@ -57,7 +26,7 @@ def ckpt(tmp_path) -> Path:
 def test_export_writes_the_exact_sglang_key_set_and_config(ckpt, tmp_path):
     out = export_sglang(ckpt, tmp_path / "export")
     tensors = load_file(out / "model.safetensors")
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_sglang_shapes(ARCH)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_shapes("sglang", ARCH)
     config = json.loads((out / "config.json").read_text())
     assert config == {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -149,7 +118,7 @@ def test_export_refuses_d2t_of_another_vocabulary(tmp_path):
 
 def test_export_refuses_an_incomplete_checkpoint(ckpt, tmp_path):
     (ckpt / "COMPLETE").unlink()
-    with pytest.raises(ExportError, match=rf"checkpoint {ckpt}: no COMPLETE; expected a complete training checkpoint"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: no COMPLETE marker; it was not written completely"):
         export_sglang(ckpt, tmp_path / "export")
 
 
@@ -158,7 +127,7 @@ def test_export_refuses_unexpected_checkpoint_keys(tmp_path):
         state["layers.0.mlp.up_proj.weight"] = state.pop("midlayer.mlp.up_proj.weight")
 
     ckpt = write_checkpoint(tmp_path / "ckpt", state_edit=renamed)
-    with pytest.raises(KeyCheckError) as err:
+    with pytest.raises(CheckpointError) as err:
         export_sglang(ckpt, tmp_path / "export")
     assert "  missing: midlayer.mlp.up_proj.weight (expected shape [128, 64])\n" in str(err.value)
     assert "  unexpected: layers.0.mlp.up_proj.weight (shape [128, 64])\n" in str(err.value)

@@ -6,38 +6,20 @@ import fcntl
 import random
 import shutil
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+from run_fixtures import extract, write_tokenized
 
 from eyas.checksum import checksum_file
 from eyas.config import ExtractConfig
-from eyas.extract import ExtractConfigMismatchError, extract_hidden_states
-from eyas.extract_backends import AuxWidthError, check_aux_width
-from eyas.manifest import read_manifest, write_manifest
-from eyas.shards import load_shard, shard_filename
+from eyas.extract.backends.base import AuxWidthError, check_aux_width
+from eyas.shards.format import load_shard, shard_filename
+from eyas.shards.manifest import read_manifest, write_manifest
+from eyas.shards.shard_set import ExtractConfigMismatchError
 from eyas.target import load_target, target_features
 
 AUX_IDS = [2, 4, 5]  # the EAGLE-3 default of the 8-layer random target
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=3)  # ~63 tokens of H=64 float32 per shard
-
-
-def write_tokenized(path, samples, *, dataset_hash="d5e7"):
-    n = len(samples)
-    table = pa.table(
-        {
-            "sample_index": pa.array(range(n), pa.int64()),
-            "id": pa.array([f"s{i}" for i in range(n)]),
-            "input_ids": pa.array(samples, pa.list_(pa.int32())),
-            "loss_mask": pa.array(
-                [[int(i >= len(s) // 2) for i in range(len(s))] for s in samples], pa.list_(pa.uint8())
-            ),
-            "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
-        }
-    ).replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
-    pq.write_table(table, path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +47,7 @@ def finished(tmp_path, extracted):
 
 
 def _extract(tokenized, shards_dir, target, cfg=CFG, **kw):
-    return extract_hidden_states(
-        tokenized_path=tokenized, shards_dir=shards_dir, target_path=target, aux_layer_ids=None, extract_cfg=cfg, **kw
-    )
+    return extract(tokenized, shards_dir, target, cfg, **kw)
 
 
 def _stat(shards_dir):
@@ -158,13 +138,7 @@ def test_resume_with_other_config_is_refused(finished, tokenized, random_target_
     ):
         _extract(tokenized, finished, random_target_dir, cfg=CFG.model_copy(update={"dtype": "bfloat16"}))
     with pytest.raises(ExtractConfigMismatchError, match=r"aux_layer_ids=\[2, 4, 5\] there, \[1, 4, 6\] now"):
-        extract_hidden_states(
-            tokenized_path=tokenized,
-            shards_dir=finished,
-            target_path=random_target_dir,
-            aux_layer_ids=[1, 4, 6],
-            extract_cfg=CFG,
-        )
+        extract(tokenized, finished, random_target_dir, CFG, aux_layer_ids=[1, 4, 6])
 
 
 def test_manifest_row_without_file_is_refused(finished, tokenized, random_target_dir):

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_extract import write_tokenized
+from run_fixtures import write_tokenized
 
 from eyas.config import ExtractConfig
-from eyas.manifest import ROWS_DIR, done_shard_indices, read_manifest
-from eyas.shards import load_shard
+from eyas.shards.format import load_shard
+from eyas.shards.manifest import ROWS_DIR, done_shard_indices, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=3)

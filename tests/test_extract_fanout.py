@@ -8,14 +8,13 @@ import threading
 import time
 
 import pytest
-from test_extract import write_tokenized
+from run_fixtures import extract, write_tokenized
 
 from eyas.config import ExtractConfig
-from eyas.extract import extract_hidden_states
-from eyas.manifest import read_manifest
-from eyas.shard_sync import sync_to_local
-from eyas.storage import LocalStorage
-from eyas.storage_s3 import S3Storage
+from eyas.shards.manifest import read_manifest
+from eyas.shards.sync import sync_to_local
+from eyas.storage.local import LocalStorage
+from eyas.storage.s3 import S3Storage
 
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=3)
 
@@ -50,12 +49,11 @@ def one_worker(tmp_path_factory, tokenized, random_target_dir):
 
 
 def _extract(tokenized, shards, target, **update):
-    return extract_hidden_states(
-        tokenized_path=tokenized,
-        shards_dir=shards,
-        target_path=target,
-        aux_layer_ids=None,
-        extract_cfg=CFG.model_copy(update=update),
+    return extract(
+        tokenized,
+        shards,
+        target,
+        CFG.model_copy(update=update),
     )
 
 

@@ -7,13 +7,13 @@ import math
 import random
 
 import pytest
+from run_fixtures import write_tokenized
 from run_queries import artifacts
-from test_verify import write_tokenized
 
 from eyas.config import load_run_config
-from eyas.manifest import read_manifest
-from eyas.shards import load_shard, shard_filename, write_shard
-from eyas.storage_s3 import S3Storage
+from eyas.shards.format import load_shard, shard_filename, write_shard
+from eyas.shards.manifest import read_manifest
+from eyas.storage.s3 import S3Storage
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
@@ -88,7 +88,7 @@ def test_s3_shard_store_with_local_copy_heals_through_s3(
     tensors["aux_hidden_states"][0, 0] = math.nan
     write_shard(shards, tensors, meta)
     (shards / "manifest.parquet").unlink()
-    from eyas.manifest import write_manifest
+    from eyas.shards.manifest import write_manifest
 
     write_manifest(
         shards, [write_shard(shards, tensors, meta) if r.shard_index == 1 else r for r in read_manifest(store)]
@@ -163,11 +163,14 @@ def test_retried_worker_task_extracts_only_the_shards_its_failed_attempt_left(
 ):
     from prefect import flow
 
-    import tasks.extract
-    from tasks.extract import extract_worker_shards, plan_extraction
+    import eyas.extract.worker
+    from eyas.extract.plan import describe_extraction
+    from eyas.facts import resolve_facts
+    from tasks.extract import extract_worker_shards
 
     config = _config(tmp_path, tiny_target_dir, random_target_dir)
-    real_worker, attempts = tasks.extract.extract_worker, []
+    facts = resolve_facts(config)
+    real_worker, attempts = eyas.extract.worker.extract_worker, []
 
     def worker_losing_its_connection(**kwargs):
         attempts.append(list(kwargs["shard_indices"]))
@@ -176,12 +179,12 @@ def test_retried_worker_task_extracts_only_the_shards_its_failed_attempt_left(
             raise ConnectionResetError("connection reset by peer")
         return real_worker(**kwargs)
 
-    monkeypatch.setattr(tasks.extract, "extract_worker", worker_losing_its_connection)
+    monkeypatch.setattr(eyas.extract.worker, "extract_worker", worker_losing_its_connection)
 
     @flow(name="worker-retry-probe")
     def probe() -> dict:
-        todo = plan_extraction(config)["todo"]
-        return extract_worker_shards.with_options(retry_delay_seconds=0)(config, 0, todo)
+        todo = [p.index for p in describe_extraction(config.extract, facts)[1]]
+        return extract_worker_shards.with_options(retry_delay_seconds=0)(config, facts, 0, todo)
 
     summary = probe()
     first, second = attempts

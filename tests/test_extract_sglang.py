@@ -18,17 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.bench_sglang import SglangServerError
 from eyas.config import SGLangExtractConfig
-from eyas.extract_backends import AuxWidthError, HFBackend
-from eyas.extract_sglang import (
+from eyas.engines.sglang import SglangServerError, parse_version
+from eyas.extract.backends.base import AuxWidthError
+from eyas.extract.backends.hf import HFBackend
+from eyas.extract.backends.sglang import (
     MIN_SGLANG_VERSION,
     SGLangBackend,
     SGLangVersionError,
     aux_capture_flags,
     build_extract_command,
     parse_answer,
-    parse_version,
 )
 from tests.sglang_extract_double import serve_extract_double
 

@@ -6,26 +6,14 @@ import pytest
 from draft_fixtures import ARCH
 
 from eyas.draft import Eagle3Draft
-from eyas.formats import (
-    ENGINE_LOADS,
-    FORMATS,
-    LAYER_ID_CONVENTIONS,
-    SGLANG_KEY_MAP,
-    KeyCheckError,
-    check_keys,
-    expected_eyas_shapes,
-    expected_sglang_shapes,
-    expected_shapes,
-    from_engine_layer_ids,
-    invert_key_map,
-    remap_keys,
-    to_engine_layer_ids,
-)
+from eyas.draft_keys import KeyCheckError, expected_eyas_shapes
+from eyas.export.keys import ENGINE_LOADS, FORMATS, check_keys, expected_shapes, invert_key_map, remap_keys
+from eyas.layer_ids import LAYER_ID_CONVENTIONS, from_engine_layer_ids, to_engine_layer_ids
 
 
 def test_sglang_key_map_is_pinned():
-    kept = {k: v for k, v in SGLANG_KEY_MAP.items() if v is not None}
-    assert SGLANG_KEY_MAP["embed_tokens.weight"] is None
+    kept = {k: v for k, v in FORMATS["sglang"].key_map.items() if v is not None}
+    assert FORMATS["sglang"].key_map["embed_tokens.weight"] is None
     assert sorted(kept.values()) == [
         "d2t",
         "fc.weight",
@@ -47,7 +35,7 @@ def test_sglang_key_map_is_pinned():
 
 
 def test_expected_sglang_shapes_are_pinned():
-    assert expected_sglang_shapes(ARCH) == {
+    assert expected_shapes("sglang", ARCH) == {
         "fc.weight": (64, 192),
         "midlayer.input_layernorm.weight": (64,),
         "midlayer.hidden_norm.weight": (64,),
@@ -69,11 +57,11 @@ def test_expected_sglang_shapes_are_pinned():
 def test_expected_eyas_shapes_match_the_draft_module():
     state = Eagle3Draft(ARCH).state_dict()
     assert {k: tuple(v.shape) for k, v in state.items()} == expected_eyas_shapes(ARCH)
-    assert set(SGLANG_KEY_MAP) == set(state)
+    assert set(FORMATS["sglang"].key_map) == set(state)
 
 
 def test_check_keys_accepts_the_exact_set():
-    check_keys(expected_sglang_shapes(ARCH), expected_sglang_shapes(ARCH), where="x")
+    check_keys(expected_shapes("sglang", ARCH), expected_shapes("sglang", ARCH), where="x")
 
 
 def test_check_keys_lists_every_offender_sorted_in_one_error():
@@ -95,13 +83,13 @@ def test_check_keys_lists_every_offender_sorted_in_one_error():
 
 def test_remap_keys_refuses_a_key_the_map_does_not_know():
     with pytest.raises(KeyCheckError, match=r"ckpt: 1 key\(s\) not in the key map: layers.0.mlp.up_proj.weight;"):
-        remap_keys(["fc.weight", "layers.0.mlp.up_proj.weight"], SGLANG_KEY_MAP, where="ckpt")
+        remap_keys(["fc.weight", "layers.0.mlp.up_proj.weight"], FORMATS["sglang"].key_map, where="ckpt")
 
 
 def test_remap_keys_drops_embed_tokens_and_inverts():
-    names = remap_keys(list(SGLANG_KEY_MAP), SGLANG_KEY_MAP, where="ckpt")
+    names = remap_keys(list(FORMATS["sglang"].key_map), FORMATS["sglang"].key_map, where="ckpt")
     assert "embed_tokens.weight" not in names
-    assert invert_key_map(SGLANG_KEY_MAP) == {v: k for k, v in names.items()}
+    assert invert_key_map(FORMATS["sglang"].key_map) == {v: k for k, v in names.items()}
 
 
 def test_sglang_layer_ids_are_canonical_minus_one():
@@ -166,7 +154,6 @@ def test_engine_loads_are_pinned():
 def test_expected_shapes_follow_the_key_map():
     spec = expected_shapes("speculators", ARCH)
     assert spec["embed_tokens.weight"] == (2048, 64) and spec["layers.0.self_attn.q_proj.weight"] == (64, 128)
-    assert expected_shapes("sglang", ARCH) == expected_sglang_shapes(ARCH)
     assert expected_shapes("eyas", ARCH) == expected_eyas_shapes(ARCH)
 
 

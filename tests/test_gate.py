@@ -7,8 +7,8 @@ import json
 import uuid
 
 import pytest
+from run_fixtures import write_tokenized
 from run_queries import answer_when_waiting, artifacts, top_run_tagged
-from test_extract import write_tokenized
 
 from eyas.config import load_run_config
 
@@ -35,7 +35,7 @@ def run_gate(config, answers: list[dict], accept_overrides: bool = True):
     """Run a flow that only gates, answering it through the API; returns (state, outcomes, flow run id)."""
     from prefect import flow, tags
 
-    from flows.gate import approval_gate
+    from tasks.gate import approval_gate
 
     @flow(name="gate-probe")
     def gate_probe(config, accept_overrides: bool) -> dict:

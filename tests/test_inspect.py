@@ -2,11 +2,11 @@
 
 import json
 
+from draft_fixtures import write_checkpoint
 from safetensors.torch import load_file, save_file
-from test_export import write_checkpoint
 
-from eyas.export import export_sglang
-from eyas.inspect import inspect_drafter
+from eyas.export.convert import export_sglang
+from eyas.export.inspect import inspect_drafter
 from eyas_cli.main import main
 
 

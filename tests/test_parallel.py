@@ -1,4 +1,4 @@
-"""eyas.parallel: FSDP2's full state dicts are exactly the unsharded draft's (one gloo process, in-process);
+"""eyas.train.parallel: FSDP2's full state dicts are exactly the unsharded draft's (one gloo process, in-process);
 the multi-process runs are in test_train_fsdp2.py."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import ARCH
+from draft_fixtures import SMALL_ARCH as ARCH
 
 from eyas.draft import build_draft
-from eyas.parallel import (
+from eyas.train.parallel import (
     full_model_state,
     full_optimizer_state,
     is_sharded,
@@ -20,7 +20,7 @@ from eyas.parallel import (
     load_full_optimizer_state,
     parallelize,
 )
-from eyas.train import TTTObjective, make_optimizer, make_scheduler, train_step
+from eyas.train.trainer import TTTObjective, make_optimizer, make_scheduler, train_step
 
 CPU = torch.device("cpu")
 
@@ -43,7 +43,7 @@ def make_training(parallelism: str | None):
     if parallelism:
         model = parallelize(model, parallelism, CPU)
     optimizer = make_optimizer(draft, lr=1e-2, weight_decay=0.01)
-    return draft, model, optimizer, make_scheduler(optimizer, warmup_steps=1, total_steps=10)
+    return draft, model, optimizer, make_scheduler(optimizer, num_warmup_steps=1, total_steps=10)
 
 
 def batch(seed: int) -> dict:

@@ -6,7 +6,7 @@ import sys
 import time
 
 from eyas.config import TrainConfig
-from eyas.preflight import (
+from eyas.train.preflight import (
     alive_recorded,
     device_preflight,
     parse_nvidia_smi,

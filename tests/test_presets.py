@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from eyas.config import RunConfig, load_run_config
-from eyas.shards import bytes_per_token
-from eyas.target import default_aux_layer_ids
+from eyas.layer_ids import default_aux_layer_ids
+from eyas.shards.format import bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "deployments").glob("*.json"))
@@ -66,7 +66,7 @@ def test_extraction_uses_all_8_gpus(name):
 @pytest.mark.parametrize("name", sorted(GPU_TARGETS))
 def test_benchmark_serves_with_sglang(name):
     bench = preset(name).bench
-    assert bench.engine == "sglang" and bench.steps == 3 and bench.draft_tokens == 4
+    assert bench.engine == "sglang" and bench.num_steps == 3 and bench.draft_tokens == 4
     args = bench.sglang_extra_args
     assert int(args[args.index("--tp-size") + 1]) == (8 if name == "deepseek-v3-8gpu" else 1)
 

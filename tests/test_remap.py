@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from draft_fixtures import ARCH, AUX_IDS, write_checkpoint
 from safetensors.torch import load_file, save_file
-from test_export import ARCH, AUX_IDS, write_checkpoint
 
-from eyas.export import ExportError, export_checkpoint, load_exported_draft, read_checkpoint
-from eyas.formats import FORMATS, KeyCheckError, expected_shapes
-from eyas.inspect import inspect_drafter
-from eyas.remap import read_any, remap_checkpoint
+from eyas.export.convert import ExportError, export_checkpoint, load_exported_draft, read_checkpoint
+from eyas.export.inspect import inspect_drafter
+from eyas.export.keys import FORMATS, KeyCheckError, expected_shapes
+from eyas.export.remap import read_any, remap_checkpoint
 from eyas_cli.main import main
 
 EAGLE_IDS = [2, 4, 5]  # the EAGLE default [2, N//2, N-3] of an 8-layer target

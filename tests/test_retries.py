@@ -11,6 +11,7 @@ import pytest
 from run_queries import logs, task_run_state_names, task_runs
 
 from eyas.config import load_run_config
+from eyas.facts import RunFacts
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
@@ -69,9 +70,9 @@ def test_failures_are_classified_transient_or_deterministic(prefect_server):
 
 
 def test_deterministic_errors_of_the_pipeline_are_not_transient(prefect_server):
-    from eyas.dataset import DatasetError
-    from eyas.verify import ShardVerificationError
-    from flows.gate import TrainingRejected
+    from eyas.dataset.prompts import DatasetError
+    from eyas.verify.shard_set import ShardVerificationError
+    from tasks.gate import TrainingRejected
     from tasks.retry import is_transient
 
     for exc in (DatasetError("x"), ShardVerificationError("x", report=None), TrainingRejected("x")):
@@ -97,16 +98,13 @@ def test_transient_failure_is_retried_and_then_succeeds(prefect_server, config, 
 
     calls = []
 
-    def flaky_export(checkpoint, out, dtype):
-        calls.append(checkpoint)
+    def flaky_export(config):
+        calls.append(config)
         if len(calls) == 1:
             raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
-        return out
+        return config.paths.export_dir / "sglang"
 
-    checkpoint = config.paths.train_dir / "checkpoints" / "step-00000001"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "COMPLETE").write_text("")
-    monkeypatch.setattr(tasks.export, "export_sglang", flaky_export)
+    monkeypatch.setattr(tasks.export, "export_run", flaky_export)
     state, [run], _ = run_task_in_flow(export_checkpoint, config)
     assert state.is_completed(), state.message
     assert run.run_count == 2 and len(calls) == 2
@@ -123,7 +121,7 @@ def test_deterministic_error_is_not_retried(prefect_server, config):
 
 def test_bad_data_error_is_not_retried(prefect_server, config, monkeypatch):
     import tasks.dataset
-    from eyas.dataset import DatasetError
+    from eyas.dataset.prompts import DatasetError
     from tasks.dataset import regenerate_and_tokenize
 
     def bad_dataset(*args, **kwargs):
@@ -163,21 +161,35 @@ FAKE_TRAINER = textwrap.dedent(
 
 @pytest.fixture
 def fake_trainer(tmp_path, monkeypatch):
-    import tasks.train
+    import eyas.train.launch
 
     script = tmp_path / "fake_trainer.py"
     script.write_text(FAKE_TRAINER)
     monkeypatch.setattr(
-        tasks.train, "torchrun_command", lambda config, job_path: [sys.executable, str(script), str(job_path)]
+        eyas.train.launch, "torchrun_command", lambda config, job_path: [sys.executable, str(script), str(job_path)]
     )
     return monkeypatch
+
+
+def facts_of(config) -> RunFacts:
+    """Facts for a trainer that reads no shard (the fake one)."""
+    target = {"model_path": config.target.model_path, "num_layers": 8, "hidden_size": 128, "vocab_size": 512}
+    return RunFacts(
+        target={**target, "fingerprint": "f"},
+        aux_layer_ids=[2, 4, 5],
+        tokenized_path=str(config.paths.tokenized),
+        dataset_hash="h",
+        num_samples=64,
+        shards_dir=str(config.paths.shards_dir),
+        storage_url=str(config.paths.shards_dir),
+    )
 
 
 def test_trainer_that_progressed_is_relaunched_from_its_newest_checkpoint(prefect_server, config, fake_trainer):
     from tasks.train import launch_torchrun
 
     fake_trainer.setenv("FAKE_TRAINER", "crash-after-checkpoint")
-    state, [run], flow_run_id = run_task_in_flow(launch_torchrun, config, 64)
+    state, [run], flow_run_id = run_task_in_flow(launch_torchrun, config, facts_of(config))
     assert state.is_completed(), state.message
     assert state.result() == {"step": 4} and run.run_count == 2
     messages = "\n".join(logs(flow_run_id))
@@ -191,7 +203,7 @@ def test_trainer_that_failed_without_progress_is_not_relaunched(prefect_server, 
     from tasks.train import launch_torchrun
 
     fake_trainer.setenv("FAKE_TRAINER", "crash-without-progress")
-    state, [run], flow_run_id = run_task_in_flow(launch_torchrun, config, 64)
+    state, [run], flow_run_id = run_task_in_flow(launch_torchrun, config, facts_of(config))
     assert state.is_failed() and "torchrun exited with 3" in state.message
     assert run.run_count == 1
     assert "no progress, not relaunched" in "\n".join(logs(flow_run_id))

@@ -4,42 +4,25 @@ from __future__ import annotations
 
 import random
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+from run_fixtures import write_tokenized
 
 from eyas.checksum import checksum_file
-from eyas.manifest import MANIFEST_NAME, ManifestRow, append_manifest_row, quarantine_shards, read_manifest
-from eyas.shards import (
+from eyas.dataset.table import TokenizedDataset
+from eyas.shards.format import (
     TOKEN_OVERHEAD_BYTES,
     ShardMeta,
     ShardPlan,
-    TokenizedDataset,
     bytes_per_token,
     load_shard,
     plan_shards,
     shard_filename,
     write_shard,
 )
-from eyas.storage import LocalStorage
-
-
-def write_tokenized(path, samples, *, dataset_hash="d5e7", sample_index=None):
-    n = len(samples)
-    table = pa.table(
-        {
-            "sample_index": pa.array(sample_index if sample_index is not None else range(n), pa.int64()),
-            "id": pa.array([f"s{i}" for i in range(n)]),
-            "input_ids": pa.array(samples, pa.list_(pa.int32())),
-            "loss_mask": pa.array([[i % 2 for i in range(len(s))] for s in samples], pa.list_(pa.uint8())),
-            "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
-        }
-    )
-    if dataset_hash is not None:
-        table = table.replace_schema_metadata({b"eyas.content_hash": dataset_hash.encode()})
-    pq.write_table(table, path)
-    return path
+from eyas.shards.manifest import MANIFEST_NAME, ManifestRow, append_manifest_row, read_manifest
+from eyas.shards.shard_set import quarantine_shards
+from eyas.storage.local import LocalStorage
 
 
 def _meta(index=0, start=0, end=2):

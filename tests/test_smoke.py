@@ -1,20 +1,17 @@
-"""eyas.smoke: the in-process preflight overfits a learnable tiny set; the module table for the gate."""
+"""eyas.train.smoke: the in-process preflight overfits a learnable tiny set; the module table for the gate."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from run_fixtures import tiny_job, write_tiny_run
 
-from eyas.checkpoint import latest_complete, load_draft
 from eyas.config import SmokeConfig
-from eyas.smoke import MODULE_ROWS, module_table, smoke_train
-
-sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-run writer lives in test_data.py
-from test_data import tiny_job, write_tiny_run  # noqa: E402
+from eyas.train.checkpoint import latest_complete, load_draft
+from eyas.train.smoke import MODULE_ROWS, module_table, smoke_train
 
 
 @pytest.fixture

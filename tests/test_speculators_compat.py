@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draft_fixtures import ARCH, write_checkpoint
 from safetensors.torch import load_file
-from test_export import ARCH, write_checkpoint
 
 from eyas.draft import build_draft
-from eyas.export import export_checkpoint, read_checkpoint
+from eyas.export.convert import export_checkpoint, read_checkpoint
 
 speculators = pytest.importorskip(
     "speculators", reason="speculators not installed (optional: it pulls a CUDA torch through torchvision)"

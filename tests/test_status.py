@@ -12,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from eyas.config import load_run_config
-from eyas.status import record_run_config, run_status
-from eyas.status_probes import APPROVAL_SECTIONS, last_metrics
-from eyas.synthetic import write_synthetic_run
-from eyas.verify import ShardReportRow, VerifyReport, write_verify_report
+from eyas.gate.approval import gate_fingerprint
+from eyas.shards.synthetic import write_synthetic_run
+from eyas.status.report import record_run_config, run_status
+from eyas.train.metrics import last_metrics
+from eyas.verify.report import ShardReportRow, VerifyReport, write_verify_report
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES, PER_SHARD = 32, 10  # 4 shards
@@ -87,7 +88,7 @@ def write_metrics(train_dir: Path, steps: range) -> None:
 
 def build_trained_run(tmp_path: Path):
     """Every shard extracted and verified, smoke run passed, approved, trained to the planned last step."""
-    from eyas.train import total_steps
+    from eyas.train.data import total_steps
 
     path, config = build_partial_run(tmp_path, planned=4)
     rows = [ShardReportRow(i, f"shard-{i:05d}.safetensors", "ok", ["header"], "", 100, 1000, 0.1) for i in range(4)]
@@ -96,7 +97,7 @@ def build_trained_run(tmp_path: Path):
     smoke = {"first": 9.0, "last": 4.0, "passed": True, "num_steps": 40}
     (config.paths.smoke_dir / "smoke.json").write_text(json.dumps(smoke))
     approval = {"approve": True, "reviewer": "ada", "note": "", "decided_at": "2026-01-01T00:00:00+00:00"}
-    approval["config_fingerprint"] = config.fingerprint(*APPROVAL_SECTIONS)
+    approval["config_fingerprint"] = gate_fingerprint(config)
     (config.paths.root / "approval.json").write_text(json.dumps(approval))
     last = total_steps(NUM_SAMPLES, config.train)
     ckpt = write_checkpoint_dir(config.paths.train_dir, last)
@@ -191,7 +192,7 @@ def test_a_crashed_training_resumes_from_the_newest_complete_checkpoint(tmp_path
 
 
 def test_a_running_trainer_is_reported_with_its_pid(tmp_path):
-    from eyas.preflight import process_start_time
+    from eyas.train.preflight import process_start_time
 
     path, config, _ = build_trained_run(tmp_path)
     me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "cmd": ["torchrun"], "started_at": "now"}
@@ -327,9 +328,3 @@ def test_status_verb_lists_the_flow_runs_of_the_workdir(reported_run, prefect_se
     assert [(r["flow"], r["state"], r["id"]) for r in runs] == [
         ("export-drafter", "Completed", str(state.state_details.flow_run_id))
     ]
-
-
-def test_approval_sections_are_the_gates(prefect_server):
-    from flows.gate import GATE_SECTIONS
-
-    assert APPROVAL_SECTIONS == GATE_SECTIONS

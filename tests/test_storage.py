@@ -10,8 +10,10 @@ from botocore.exceptions import ClientError
 from s3_server import Fault
 
 from eyas.checksum import checksum_bytes
-from eyas.storage import ChecksumMismatchError, LocalStorage, open_storage
-from eyas.storage_s3 import MIN_PART_BYTES, S3Storage
+from eyas.storage import open_storage
+from eyas.storage.base import ChecksumMismatchError
+from eyas.storage.local import LocalStorage
+from eyas.storage.s3 import MIN_PART_BYTES, S3Storage
 
 
 def _s3(bucket, endpoint, **kw):

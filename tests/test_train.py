@@ -5,23 +5,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from run_fixtures import AUX_LAYER_IDS, run_trainer, tiny_job, write_tiny_run
 
-from eyas.checkpoint import latest_complete, load_draft
-from eyas.data import batch_at, collate
 from eyas.draft import ttt_loss
-from eyas.train import METRIC_PREFIX, build_setup, main, make_scheduler, total_steps
-
-sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-run writer lives in test_data.py
-from test_data import AUX_LAYER_IDS, tiny_job, write_tiny_run  # noqa: E402
+from eyas.train.__main__ import main
+from eyas.train.checkpoint import latest_complete, load_draft
+from eyas.train.data import batch_at, collate, total_steps
+from eyas.train.metrics import METRIC_PREFIX
+from eyas.train.trainer import build_setup, make_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES, BATCH, STEPS = 32, 8, 6
@@ -40,19 +37,6 @@ METRIC_KEYS = {
 }
 
 
-def run_trainer(job_path: Path, nproc: int | None) -> tuple[str, list[dict]]:
-    """`torchrun --nproc_per_node=N -m eyas.train`, or plain `python -m eyas.train` when nproc is None."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = (launcher if nproc else [sys.executable]) + ["-m", "eyas.train", "--config", str(job_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    metrics = [
-        json.loads(line[len(METRIC_PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(METRIC_PREFIX)
-    ]
-    return proc.stdout, metrics
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> dict:
     return write_tiny_run(tmp_path_factory.mktemp("train-run"), num_samples=NUM_SAMPLES)
@@ -69,7 +53,7 @@ def two_rank_run(tiny_run, tmp_path_factory) -> dict:
         max_steps=STEPS,
         global_batch_size=BATCH,
         save_every_steps=2,
-        keep_last_checkpoints=3,
+        num_checkpoints_kept=3,
     )
     job_path = out.parent / "job.json"
     job_path.write_text(job.model_dump_json())
@@ -152,7 +136,7 @@ def test_shards_from_other_layers_are_refused(tiny_run, tmp_path):
 
 def test_lr_warms_up_linearly_then_decays_by_cosine():
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = make_scheduler(optimizer, warmup_steps=2, total_steps=6)
+    scheduler = make_scheduler(optimizer, num_warmup_steps=2, total_steps=6)
     lrs = []
     for _ in range(6):
         lrs.append(scheduler.get_last_lr()[0])

@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from run_fixtures import run_trainer, tiny_job, write_tiny_run
 from s3_server import Fault
 from safetensors.torch import load_file
-from test_data import tiny_job, write_tiny_run
-from test_train import run_trainer
 
-from eyas.checkpoint import latest_complete
-from eyas.checkpoint_copy import copy_steps
 from eyas.config import TrainConfig
-from eyas.storage import ChecksumMismatchError
-from eyas.storage_s3 import S3Storage
-from eyas.train import main
+from eyas.storage.base import ChecksumMismatchError
+from eyas.storage.s3 import S3Storage
+from eyas.train.__main__ import main
+from eyas.train.checkpoint import latest_complete
+from eyas.train.checkpoint_copy import copy_steps
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def write_job(run: dict, out: Path, url: str, endpoint: str, *, max_steps: int =
         out,
         max_steps=max_steps,
         save_every_steps=2,
-        keep_last_checkpoints=2,
+        num_checkpoints_kept=2,
         checkpoint_copy_url=url,
         s3_endpoint_url=endpoint,
     )

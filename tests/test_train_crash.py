@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_fixtures import tiny_job, write_tiny_run
 from safetensors.torch import load_file
-from test_data import tiny_job, write_tiny_run
 
-from eyas.checkpoint import latest_complete
-from eyas.train import METRIC_PREFIX
+from eyas.train.checkpoint import latest_complete
+from eyas.train.metrics import METRIC_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -76,7 +76,7 @@ def write_job(run: dict, out: Path, parallelism: str) -> Path:
         max_steps=STEPS,
         global_batch_size=8,
         save_every_steps=3,
-        keep_last_checkpoints=2,
+        num_checkpoints_kept=2,
         parallelism=parallelism,
     )
     path = out.parent / f"{out.name}.json"

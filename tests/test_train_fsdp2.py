@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_fixtures import run_trainer, tiny_job, write_tiny_run
 from safetensors.torch import load_file
-from test_data import tiny_job, write_tiny_run
-from test_train import run_trainer
 
 STEPS, BATCH = 6, 8
 WEIGHT_TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}  # about 8x what 6 clipped steps were measured to differ
@@ -43,7 +42,7 @@ def train_both(root: Path, run: dict, **train) -> dict:
             max_steps=STEPS,
             global_batch_size=BATCH,
             save_every_steps=2,
-            keep_last_checkpoints=3,
+            num_checkpoints_kept=3,
             parallelism=parallelism,
             **train,
         )

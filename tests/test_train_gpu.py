@@ -3,12 +3,12 @@
 import pytest
 import torch
 import torch.distributed as dist
+from run_fixtures import tiny_job, write_tiny_run
 from safetensors.torch import load_file
-from test_data import tiny_job, write_tiny_run
 
-from eyas.checkpoint import latest_complete
-from eyas.parallel import full_model_state, is_sharded
-from eyas.train import Dist, Trainer
+from eyas.train.checkpoint import latest_complete
+from eyas.train.parallel import Dist, full_model_state, is_sharded
+from eyas.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 

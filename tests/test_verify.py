@@ -9,19 +9,19 @@ from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
-from test_extract import write_tokenized
+from run_fixtures import extract, write_tokenized
 
 from eyas.config import ExtractConfig
-from eyas.extract import extract_hidden_states
-from eyas.manifest import read_manifest, write_manifest
-from eyas.shards import load_shard, shard_filename, write_shard
-from eyas.verify import (
+from eyas.facts import facts_for
+from eyas.shards.format import load_shard, shard_filename, write_shard
+from eyas.shards.manifest import read_manifest, write_manifest
+from eyas.verify.report import write_verify_report
+from eyas.verify.shard_set import (
     ShardVerificationError,
     expected_shard_meta,
     quarantine_bad_shards,
     raise_if_bad,
     verify_shards,
-    write_verify_report,
 )
 
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=4)  # ~63 tokens of H=64 float32 per shard
@@ -34,16 +34,9 @@ def extracted(tmp_path_factory, random_target_dir):
     rng = random.Random(1)
     samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 20))] for _ in range(10)]
     tokenized = write_tokenized(root / "tokenized.parquet", samples)
-    extract_hidden_states(
-        tokenized_path=tokenized,
-        shards_dir=root / "shards",
-        target_path=random_target_dir,
-        aux_layer_ids=None,
-        extract_cfg=CFG,
-    )
-    expected = expected_shard_meta(
-        target_path=random_target_dir, aux_layer_ids=None, dtype="float32", tokenized_path=tokenized
-    )
+    extract(tokenized, root / "shards", random_target_dir, CFG)
+    facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=root / "shards")
+    expected = expected_shard_meta(facts, "float32")
     return tokenized, root / "shards", expected
 
 
@@ -154,7 +147,7 @@ def test_wrong_dtype_is_flagged(shards, extracted):
     reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
     assert reason == (
         "shard-00000.safetensors: aux_hidden_states dtype F16, expected F32 (metadata dtype float32); "
-        "quarantine the shard (eyas.manifest.quarantine_shards) and re-run extraction"
+        "quarantine the shard (eyas.shards.shard_set.quarantine_shards) and re-run extraction"
     )
 
 
@@ -243,7 +236,7 @@ def test_missing_shard_file_is_flagged(shards, extracted):
     reasons = _bad_reasons(_verify(shards, extracted, "cheap"))
     assert reasons == {
         "shard-00001.safetensors": "shard-00001.safetensors: listed in the manifest but missing on "
-        "disk; quarantine the shard (eyas.manifest.quarantine_shards) and re-run extraction"
+        "disk; quarantine the shard (eyas.shards.shard_set.quarantine_shards) and re-run extraction"
     }
 
 
@@ -342,12 +335,6 @@ def test_quarantined_shards_are_reextracted_and_pass(shards, extracted, random_t
     notes = quarantine_bad_shards(shards, report)
     assert [p.name.split(".safetensors")[0] for p in notes] == ["shard-00001"]
     assert "last_hidden_states has non-finite values (first at token 0" in notes[0].read_text()
-    summary = extract_hidden_states(
-        tokenized_path=extracted[0],
-        shards_dir=shards,
-        target_path=random_target_dir,
-        aux_layer_ids=None,
-        extract_cfg=CFG,
-    )
+    summary = extract(extracted[0], shards, random_target_dir, CFG)
     assert summary.shards_written == 1
     assert _verify(shards, extracted).ok

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from eyas.verify_checks import _first_nonfinite
+from eyas.verify.checks import _first_nonfinite
 
 ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 

@@ -7,12 +7,12 @@ import math
 import random
 
 import pytest
-from test_verify import write_tokenized
+from run_fixtures import extract, write_tokenized
 
 from eyas.config import load_run_config
-from eyas.extract import extract_hidden_states
-from eyas.manifest import QUARANTINE_DIR, read_manifest, write_manifest
-from eyas.shards import load_shard, shard_filename, write_shard
+from eyas.shards.format import load_shard, shard_filename, write_shard
+from eyas.shards.manifest import read_manifest, write_manifest
+from eyas.shards.shard_set import QUARANTINE_DIR
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
@@ -33,13 +33,7 @@ def config(tmp_path, tiny_target_dir, random_target_dir):
     config.paths.dataset_dir.mkdir(parents=True)
     write_tokenized(config.paths.tokenized, samples)
     shards = config.paths.shards_dir
-    extract_hidden_states(
-        tokenized_path=config.paths.tokenized,
-        shards_dir=shards,
-        target_path=random_target_dir,
-        aux_layer_ids=None,
-        extract_cfg=config.extract,
-    )
+    extract(config.paths.tokenized, shards, random_target_dir, config.extract)
     tensors, meta = load_shard(shards / shard_filename(1))
     tensors = {k: v.clone() for k, v in tensors.items()}
     tensors["aux_hidden_states"][0, 0] = math.nan

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eyas.vocab import (
+from eyas.dataset.vocab import (
     VocabMappingError,
     build_vocab_mapping,
     check_vocab_mapping,

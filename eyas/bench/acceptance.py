@@ -1,0 +1,268 @@
+"""The acceptance benchmark: the stage entry, and the reference engine's run of the trained draft, a random
+draft, the n-gram drafter and plain greedy decoding on the same prompts.
+
+    result = bench_run(config, "run/export/sglang")            # the configured engine; writes benchmark.json
+    result = run_benchmark("target/", "run/export/sglang", prompts, steps=3, max_new_tokens=64)
+
+The draft is loaded from the exported SGLang files (`load_exported_draft`), so the benchmark
+measures what the engine will load. Every speculative output is compared token for token with
+plain greedy decoding (`LosslessError` otherwise). The decoding loop is eyas.bench.reference, the
+drafters eyas.bench.proposers; the fields of benchmark.json are BENCHMARK_FIELDS. The SGLang engine
+is eyas.bench.sglang.
+
+Wall times compare like with like: the float64 target with a KV cache on the same CPU/GPU, one
+token per forward for greedy decoding, the pending token + drafts per forward for speculative
+decoding (the draft's own time included); batch size 1. Each prompt runs greedy, then every
+drafter, before the next prompt, so a change of machine load hits all sides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+from eyas.bench.proposers import NgramProposer
+from eyas.bench.reference import (
+    DecodeResult,
+    accept_rates,
+    check_lossless,
+    greedy_decode,
+    load_target_float64,
+    pooled_tau,
+    reference_decode,
+)
+from eyas.bench.sglang import run_sglang_benchmark
+from eyas.config import RunConfig
+from eyas.dataset.prompts import prompt_token_ids, read_prompts
+from eyas.draft import build_draft
+from eyas.engines.sglang import SglangLaunch
+from eyas.export.convert import load_exported_draft, read_export_provenance
+from eyas.fsio import atomic_write_text, read_json_record
+from eyas.shards.reader import ShardSamples
+from eyas.target import embed_weight, target_fingerprint
+
+BENCHMARK_FILE = "benchmark.json"
+PLOTS_FILE = "acceptance.png"
+Prompt = list[int] | str | list[dict]  # token ids, raw text, or a conversation [{role, content}, ...]
+
+# benchmark.json of the reference engine: field -> meaning (README "benchmark.json" documents it too).
+BENCHMARK_FIELDS = {
+    "engine": '"reference"',
+    "tau_mean": "trained draft: emitted tokens / verification rounds over all prompts (bonus token included)",
+    "tau_per_prompt": "trained draft: tau of each prompt (null when no round ran)",
+    "accept_rate_per_position": "trained draft: fraction of rounds accepting draft position i (depth i for a tree)",
+    "num_verify_steps": "trained draft: verification rounds over all prompts",
+    "tau_random": "a random draft of the same shape (expected about 1.0)",
+    "accept_rate_per_position_random": "the random draft's acceptance per position",
+    "tau_ngram": "the n-gram (prompt lookup) drafter, chain of `steps`",
+    "accept_rate_per_position_ngram": "the n-gram drafter's acceptance per position",
+    "tau_ratio_vs_ngram": "tau_mean / tau_ngram",
+    "speedup_vs_greedy": "wall_s_greedy / wall_s_speculative (same target, dtype, KV cache, device)",
+    "speedup_ngram_vs_greedy": "wall_s_greedy / wall_s_ngram",
+    "wall_s_greedy": "plain greedy decoding of every prompt (float64 target, KV cache, one token per forward)",
+    "wall_s_speculative": "speculative decoding of every prompt with the trained draft (draft time included)",
+    "wall_s_ngram": "speculative decoding of every prompt with the n-gram drafter",
+    "steps": "chain length / tree depth k",
+    "topk": "1 = chain; > 1 = tree",
+    "num_draft_tokens": "tree size as SGLang counts it (root included); steps + 1 for a chain",
+    "num_prompts": "prompts benchmarked",
+    "max_new_tokens": "new tokens per prompt at most",
+    "aux_layer_ids": "canonical (HF hidden_states) aux layer ids the draft was loaded with",
+    "lossless": "true: every speculative output equalled greedy decoding (otherwise the run fails)",
+    "wall_s": "the whole benchmark",
+}
+
+
+def encode_prompts(prompts: Sequence[Prompt], target_path: str | Path) -> list[list[int]]:
+    """Token-id lists as they are; texts through the target's tokenizer; conversations
+    ([{role, content}, ...]) through its chat template exactly as the dataset stage encodes them."""
+    tokenizer = None
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        is_conversation = bool(prompt) and not isinstance(prompt, str) and isinstance(prompt[0], dict)
+        if isinstance(prompt, str) or is_conversation:
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(target_path)
+            if is_conversation:
+                prompt = prompt_token_ids(tokenizer, list(prompt))
+            else:
+                prompt = tokenizer(prompt)["input_ids"]
+        if not prompt:
+            raise ValueError(f"prompt {i}: empty after encoding; expected at least one token")
+        encoded.append([int(t) for t in prompt])
+    return encoded
+
+
+def _check_provenance(export_dir: str | Path, target_path: str | Path) -> None:
+    provenance = read_export_provenance(export_dir)
+    if provenance is None or not provenance.get("target_fingerprint"):
+        return
+    actual = target_fingerprint(target_path)
+    if provenance["target_fingerprint"] != actual:
+        raise ValueError(
+            f"export {export_dir}: trained for target fingerprint {provenance['target_fingerprint']}, "
+            f"but target {target_path} has {actual}; benchmark the draft against the target it was trained on"
+        )
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def _decode_all(model, drafters: dict, prompts, *, max_new_tokens, eos, **decode):
+    """Per prompt, greedy decoding then each drafter, timed side by side (so load drift hits all alike);
+    every speculative output is checked against the greedy one. ({label: results}, {label: wall s})."""
+    results: dict[str, list[DecodeResult]] = {label: [] for label in drafters}
+    walls = dict.fromkeys(["greedy", *drafters], 0.0)
+    for i, ids in enumerate(prompts):
+        greedy, dt = _timed(greedy_decode, model, ids, max_new_tokens, eos)
+        walls["greedy"] += dt
+        for label, (proposer, extra) in drafters.items():
+            r, dt = _timed(
+                reference_decode,
+                model,
+                proposer,
+                ids,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                **decode,
+                **extra,
+            )
+            walls[label] += dt
+            check_lossless(r.tokens, greedy, prompt=f"prompt {i} ({label} draft)")
+            results[label].append(r)
+    return results, walls
+
+
+def run_benchmark(
+    target_path: str | Path,
+    export_dir: str | Path,
+    prompts: Sequence[Prompt],
+    *,
+    steps: int,
+    max_new_tokens: int,
+    topk: int = 1,
+    num_draft_tokens: int = 0,
+    ngram_max_n: int = 3,
+    random_draft_seed: int = 0,
+    device: str = "cpu",
+) -> dict:
+    """tau and per-position acceptance of the exported draft, a random draft and the n-gram drafter, and
+    the trained draft's wall time against plain greedy decoding; the fields are BENCHMARK_FIELDS.
+    `device` "cuda" runs the same exact loop on a GPU (float64 there too)."""
+    start = time.perf_counter()
+    if not prompts:
+        raise ValueError("benchmark: no prompts; expected at least one held-out prompt")
+    num_draft_tokens = num_draft_tokens or (steps + 1 if topk == 1 else 0)
+    if topk == 1 and num_draft_tokens != steps + 1:
+        raise ValueError(
+            f"benchmark: topk=1 (chain) with num_draft_tokens={num_draft_tokens}, expected steps + 1 = {steps + 1} "
+            "(or 0 for the default)"
+        )
+    _check_provenance(export_dir, target_path)
+    model = load_target_float64(target_path)
+    draft = load_exported_draft(export_dir, embed_weight(model))
+    random_draft = build_draft(draft.arch, draft.embed_tokens.weight, draft.d2t, draft.t2d, seed=random_draft_seed)
+    model, draft, random_draft = model.to(device), draft.to(device), random_draft.to(device)
+    encoded = encode_prompts(prompts, target_path)
+    tree = dict(topk=topk, num_draft_tokens=num_draft_tokens)
+    drafters = {
+        "trained": (draft, tree),
+        "random": (random_draft.eval(), tree),
+        "n-gram": (NgramProposer(ngram_max_n), {}),
+    }
+    results, walls = _decode_all(
+        model,
+        drafters,
+        encoded,
+        max_new_tokens=max_new_tokens,
+        eos=model.config.eos_token_id,
+        aux_layer_ids=draft.aux_layer_ids,
+        steps=steps,
+    )
+    trained, random, ngram = results["trained"], results["random"], results["n-gram"]
+    wall_greedy, wall_trained, wall_ngram = walls["greedy"], walls["trained"], walls["n-gram"]
+    tau, tau_ngram = pooled_tau(trained), pooled_tau(ngram)
+    return {
+        "engine": "reference",
+        "tau_mean": tau,
+        "tau_per_prompt": [r.tau for r in trained],
+        "accept_rate_per_position": accept_rates(trained, steps),
+        "num_verify_steps": sum(r.num_verify_steps for r in trained),
+        "tau_random": pooled_tau(random),
+        "accept_rate_per_position_random": accept_rates(random, steps),
+        "tau_ngram": tau_ngram,
+        "accept_rate_per_position_ngram": accept_rates(ngram, steps),
+        "tau_ratio_vs_ngram": tau / tau_ngram,
+        "speedup_vs_greedy": wall_greedy / wall_trained,
+        "speedup_ngram_vs_greedy": wall_greedy / wall_ngram,
+        "wall_s_greedy": wall_greedy,
+        "wall_s_speculative": wall_trained,
+        "wall_s_ngram": wall_ngram,
+        "steps": steps,
+        "topk": topk,
+        "num_draft_tokens": num_draft_tokens,
+        "num_prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "aux_layer_ids": list(draft.aux_layer_ids),
+        "lossless": True,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def write_benchmark_json(result: dict, path: str | Path) -> Path:
+    """Write the result as JSON (temporary file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
+    """The stage entry: the configured engine on the held-out prompts; writes and returns benchmark.json's
+    contents (plus "path"). The SGLang launch is linted against the layer ids the shards were extracted at."""
+    b = config.bench
+    prompts = [r["conversations"] for r in read_prompts(b.prompts_path, b.num_prompts)]
+    if b.engine == "sglang":
+        launch = SglangLaunch(
+            target_path=config.target.model_path,
+            draft_path=str(export_dir),
+            steps=b.num_steps,
+            topk=b.topk,
+            num_draft_tokens=b.draft_tokens,
+            port=b.sglang_port,
+            extra_args=tuple(b.sglang_extra_args),
+        )
+        result = run_sglang_benchmark(
+            launch,
+            encode_prompts(prompts, config.target.model_path),
+            max_new_tokens=b.max_new_tokens,
+            concurrency=b.sglang_concurrency,
+            startup_timeout_s=b.sglang_startup_timeout_s,
+            shard_aux_layer_ids=list(ShardSamples(config.paths.shards_dir).meta.aux_layer_ids),
+            log_dir=config.paths.bench_dir,
+        )
+    else:
+        result = run_benchmark(
+            config.target.model_path,
+            export_dir,
+            prompts,
+            steps=b.num_steps,
+            max_new_tokens=b.max_new_tokens,
+            topk=b.topk,
+            num_draft_tokens=b.draft_tokens,
+            ngram_max_n=b.ngram_max_n,
+        )
+    path = write_benchmark_json(result, config.paths.bench_dir / BENCHMARK_FILE)
+    return {**result, "path": str(path)}
+
+
+def read_benchmark(bench_dir: str | Path) -> dict | None:
+    """benchmark.json of a run (BENCHMARK_FIELDS for the reference engine), or None when there is none."""
+    return read_json_record(Path(bench_dir) / BENCHMARK_FILE)

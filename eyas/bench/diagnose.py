@@ -1,0 +1,246 @@
+"""Why is tau low? A report of checks, each passed or failed, over the known causes.
+
+    from eyas.bench.diagnose import diagnose
+    report = diagnose(export_dir="run/export/sglang", shards_dir="run/shards", target_path="target/",
+                      tau=1.02, launch_argv=None)
+    print(report.to_markdown())
+
+Checks (see "Facts from the field" in the architecture notes): shard widths (n_aux * H, not H:
+the fc bypass), the export's key set, d2t present with valid offsets, an explicit
+draft_vocab_size, the layer-id convention (export vs shards), the launch flags (SGLang only) and
+the draft's teacher-forced accuracy on verified shards. When that accuracy is high but tau is
+about 1.0 the draft is fine and the serving side is wrong; when it is low, the draft itself is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eyas.bench.sglang import lint_launch_command
+from eyas.config import RunConfig
+from eyas.dataset.vocab import check_vocab_mapping
+from eyas.draft import DraftArch, ttt_loss
+from eyas.engines.sglang import SGLANG_LAYER_ID_CONVENTION
+from eyas.export.configs import read_config
+from eyas.export.convert import load_exported_draft
+from eyas.export.keys import check_keys, expected_shapes
+from eyas.fsio import atomic_write_text, read_json_record
+from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids
+from eyas.shards.format import ShardMeta, read_shard_layout
+from eyas.shards.manifest import MANIFEST_NAME, read_manifest
+from eyas.shards.reader import ShardSamples
+from eyas.target import load_embed_and_lm_head
+from eyas.train.data import collate
+
+DIAGNOSIS_FILE = "diagnosis.json"
+SERVING_TAU_CEILING = 1.2  # tau at or below this with a good teacher-forced accuracy points at serving
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool | None  # None: not applicable here
+    detail: str
+
+
+@dataclass
+class Diagnosis:
+    tau: float | None
+    checks: list[Check] = field(default_factory=list)
+    conclusion: str = ""
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.passed is False]
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "conclusion": self.conclusion, "checks": [asdict(c) for c in self.checks]}
+
+    def to_markdown(self) -> str:
+        mark = {True: "passed", False: "FAILED", None: "n/a"}
+        rows = [f"| {c.name} | {mark[c.passed]} | {c.detail.replace('|', '/')} |" for c in self.checks]
+        return "\n".join(["| check | result | detail |", "|---|---|---|", *rows, "", f"**{self.conclusion}**"])
+
+
+def _shard_widths(shards_dir: Path, draft_hidden: int | None) -> tuple[Check, ShardMeta | None]:
+    rows = read_manifest(shards_dir) if (shards_dir / MANIFEST_NAME).is_file() else []
+    if not rows:
+        return Check("shard_widths", False, f"{shards_dir}: no shards in a manifest; extract first"), None
+    first = shards_dir / rows[0].file
+    try:
+        meta, layout = read_shard_layout(first)
+    except (OSError, ValueError) as err:  # unreadable or foreign: the check says so, the report goes on
+        return Check("shard_widths", False, f"{first.name}: {err}"), None
+    aux_w, last_w = layout["aux_hidden_states"][1][-1], layout["last_hidden_states"][1][-1]
+    h, n = meta.hidden_size, meta.num_aux
+    expected_h = draft_hidden or h
+    if aux_w != n * expected_h or last_w != expected_h:
+        cause = " (H wide: the target sent no aux states, the draft bypasses fc)" if aux_w == expected_h else ""
+        detail = (
+            f"{first.name}: aux_hidden_states width {aux_w}, last_hidden_states {last_w}; expected "
+            f"{n * expected_h} ({n} layers x {expected_h}) and {expected_h}{cause}; re-extract with aux capture"
+        )
+        return Check("shard_widths", False, detail), meta
+    return Check("shard_widths", True, f"{first.name}: aux {aux_w} = {n} x {h}, last {last_w}"), meta
+
+
+def _export_tensors(export_dir: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    config = json.loads((export_dir / "config.json").read_text())
+    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return config, shapes
+
+
+def _arch(config: dict, shapes: dict) -> DraftArch:
+    """The arch the export's config describes (eyas.export.configs); draft_vocab_size falls back to lm_head's
+    rows when absent (its own check reports the absence)."""
+    fields = dict(read_config("sglang", config).arch)
+    if fields["draft_vocab_size"] is None:
+        fields["draft_vocab_size"] = shapes.get("lm_head.weight", (fields["target_vocab_size"],))[0]
+    return DraftArch(**fields)
+
+
+def _export_checks(export_dir: Path, config: dict, shapes: dict) -> list[Check]:
+    checks = []
+    try:
+        check_keys(shapes, expected_shapes("sglang", _arch(config, shapes)), where=f"export {export_dir}")
+        checks.append(Check("export_key_set", True, f"{len(shapes)} keys, exactly SGLang's set and shapes"))
+    except ValueError as err:  # KeyCheckError lists every offender; ConfigError names the missing field
+        checks.append(Check("export_key_set", False, str(err).replace("\n", "; ")))
+    if "d2t" not in shapes or "t2d" not in shapes:
+        detail = "no d2t/t2d in model.safetensors: draft ids reach the target unmapped (tau about 1.1); re-export"
+        checks.append(Check("d2t_offsets", False, detail))
+    else:
+        with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        try:
+            check_vocab_mapping(d2t, t2d, f"export {export_dir}", config.get("draft_vocab_size"))
+            checks.append(Check("d2t_offsets", True, f"d2t holds offsets for {d2t.numel()} draft ids"))
+        except ValueError as err:  # VocabMappingError names the first bad id
+            checks.append(Check("d2t_offsets", False, str(err)))
+    if "draft_vocab_size" in config:
+        checks.append(Check("draft_vocab_size_explicit", True, f"draft_vocab_size {config['draft_vocab_size']}"))
+    else:
+        detail = "config.json has no draft_vocab_size: SGLang swaps the trained lm_head for the target's; re-export"
+        checks.append(Check("draft_vocab_size_explicit", False, detail))
+    return checks
+
+
+def _layer_ids(config: dict, shard_meta: ShardMeta | None) -> Check:
+    engine = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if engine is None or shard_meta is None:
+        return Check("layer_id_convention", False, f"layer ids missing: export {engine}, shards {shard_meta}")
+    canonical = from_engine_layer_ids(list(engine), SGLANG_LAYER_ID_CONVENTION)
+    shards, convention = list(shard_meta.aux_layer_ids), shard_meta.layer_id_convention
+    if canonical != shards or convention != LAYER_ID_CONVENTION:
+        detail = (
+            f"export eagle_aux_hidden_state_layer_ids {engine} ({SGLANG_LAYER_ID_CONVENTION}) = hidden_states "
+            f"{canonical}, shards extracted at {shards} ({convention}); the engine captures other layers than "
+            "training saw"
+        )
+        return Check("layer_id_convention", False, detail)
+    return Check(
+        "layer_id_convention",
+        True,
+        f"export {engine} ({SGLANG_LAYER_ID_CONVENTION}) = shards {shards} ({LAYER_ID_CONVENTION})",
+    )
+
+
+def _launch_flags(launch_argv: list[str] | None, shard_ids: list[int] | None) -> Check:
+    if launch_argv is None:
+        return Check("launch_flags", None, "reference engine: no serving command to lint")
+    problems = lint_launch_command(launch_argv, shard_aux_layer_ids=shard_ids)
+    return Check("launch_flags", not problems, "; ".join(problems) or " ".join(launch_argv))
+
+
+def teacher_forced_accuracy(export_dir, shards_dir, target_path, *, num_samples: int, steps: int) -> list[float]:
+    """Top-1 agreement of the exported draft with the target over the draft vocab, per unroll step,
+    on the loss-masked tokens of the first num_samples shard samples (the training objective's accuracy)."""
+    embed, lm_head = load_embed_and_lm_head(target_path)
+    draft = load_exported_draft(export_dir, embed.float())
+    samples = ShardSamples(shards_dir)
+    chosen = [samples.load_sample(i) for i in range(min(num_samples, len(samples)))]
+    batch = collate(chosen, max_len=draft.arch.max_position_embeddings - steps)
+    with torch.no_grad():
+        _, _, accs, _ = ttt_loss(draft, batch, lm_head[draft.t2d].float(), steps, 1.0)
+    return [float(a) for a in accs]
+
+
+def _accuracy_check(export_dir, shards_dir, target_path, num_samples, steps, min_accuracy) -> Check:
+    try:
+        accs = teacher_forced_accuracy(export_dir, shards_dir, target_path, num_samples=num_samples, steps=steps)
+    except ValueError as err:  # a broken export or shard: its own check names the cause
+        return Check("teacher_forced_accuracy", False, f"could not run the draft on the shards: {err}")
+    shown = ", ".join(f"{a:.2f}" for a in accs)
+    if accs[0] < min_accuracy:
+        detail = f"per step [{shown}] on {num_samples} shard samples; step 0 below {min_accuracy}: the draft is weak"
+        return Check("teacher_forced_accuracy", False, detail)
+    return Check("teacher_forced_accuracy", True, f"per step [{shown}] on {num_samples} shard samples")
+
+
+def diagnose(
+    *,
+    export_dir: str | Path,
+    shards_dir: str | Path,
+    target_path: str | Path,
+    tau: float | None,
+    launch_argv: list[str] | None = None,
+    num_samples: int = 8,
+    steps: int = 3,
+    min_accuracy: float = 0.3,
+) -> Diagnosis:
+    """Run every check; each names what it found and the fix. Never raises for a failed check."""
+    export_dir, shards_dir = Path(export_dir), Path(shards_dir)
+    config, shapes = _export_tensors(export_dir)
+    widths, shard_meta = _shard_widths(shards_dir, config.get("hidden_size"))
+    checks = [widths, *_export_checks(export_dir, config, shapes), _layer_ids(config, shard_meta)]
+    shard_ids = list(shard_meta.aux_layer_ids) if shard_meta is not None else None
+    checks.append(_launch_flags(launch_argv, shard_ids))
+    checks.append(_accuracy_check(export_dir, shards_dir, target_path, num_samples, steps, min_accuracy))
+    report = Diagnosis(tau=tau, checks=checks)
+    report.conclusion = _conclusion(report)
+    return report
+
+
+def _conclusion(report: Diagnosis) -> str:
+    accuracy = next(c for c in report.checks if c.name == "teacher_forced_accuracy")
+    others = [c.name for c in report.failed if c is not accuracy]
+    if others:
+        return f"failed checks: {', '.join(others)}; fix these first"
+    if accuracy.passed and report.tau is not None and report.tau <= SERVING_TAU_CEILING:
+        return (
+            f"the draft predicts the target well on its training data but serving tau is {report.tau:.2f}: "
+            "the serving side is wrong (hidden states, layer ids, flags or weights the engine loads)"
+        )
+    if accuracy.passed is False:
+        return "every file check passed but the draft is weak: more or better data, longer training"
+    return "every check passed; tau is low for another reason (prompt domain, steps, max_new_tokens)"
+
+
+def diagnose_run(config: RunConfig, export_dir: str | Path, result: dict) -> Diagnosis:
+    """The stage entry after a low tau: every check on the run's export and shards; writes diagnosis.json."""
+    b = config.bench
+    report = diagnose(
+        export_dir=export_dir,
+        shards_dir=config.paths.shards_dir,
+        target_path=config.target.model_path,
+        tau=result["tau_mean"],
+        launch_argv=result.get("launch_command"),
+        num_samples=b.diagnose_num_samples,
+        steps=b.num_steps,
+        min_accuracy=b.min_teacher_forced_accuracy,
+    )
+    path = config.paths.bench_dir / DIAGNOSIS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(report.to_dict(), indent=2) + "\n")
+    return report
+
+
+def read_diagnosis(bench_dir: str | Path) -> dict | None:
+    """diagnosis.json of a run's last low-tau diagnosis, or None when there is none."""
+    return read_json_record(Path(bench_dir) / DIAGNOSIS_FILE)

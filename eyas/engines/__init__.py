@@ -1,0 +1,1 @@
+"""Serving engines as eyas meets them: launch commands, server lifecycle and the HTTP client."""

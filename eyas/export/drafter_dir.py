@@ -1,0 +1,82 @@
+"""An exported drafter directory, as eyas writes it and as every reader finds it (no torch here).
+
+    DIR/model.safetensors     the tensors, in the format's key names (eyas.export.keys)
+    DIR/config.json           the format's config (eyas.export.configs); arch.json + COMPLETE for the eyas format
+    DIR/eyas_export.json      provenance: format, source checkpoint, target fingerprint, canonical layer ids
+
+An export is written to a temporary directory and put in place whole (`write_export_dir`), so a crash
+never leaves a half-written export, and a directory that is not an earlier export is never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from eyas.fsio import read_json_record, replace_dir, temp_path
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PROVENANCE_FILE = "eyas_export.json"
+
+
+class ExportError(ValueError):
+    """A checkpoint or an export that cannot be converted or loaded as it is."""
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file, from its header (safetensors' own reader, numpy: no torch)."""
+    with safe_open(str(path), framework="numpy") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def read_small_tensor(path: Path, name: str) -> list:
+    """The values of one small tensor (d2t, t2d) as a list; no other tensor is read."""
+    with safe_open(str(path), framework="numpy") as f:
+        return f.get_tensor(name).tolist()
+
+
+def write_export_dir(out: Path, tensors: dict, files: dict[str, dict | None]) -> Path:
+    """model.safetensors and JSON files (None: an empty marker, written last) in out, replaced atomically
+    (eyas.fsio.replace_dir); a directory that is not an earlier export is never replaced."""
+    if out.exists() and any(out.iterdir()) and not (out / PROVENANCE_FILE).is_file():
+        raise ExportError(
+            f"export directory {out}: exists, is not empty and holds no {PROVENANCE_FILE}; expected an empty "
+            "directory or an earlier eyas export; refusing to replace it: pick another directory"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(out)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    from safetensors.torch import save_file  # the one use of torch here: the writer's tensors are torch tensors
+
+    save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+    for name, data in sorted(files.items(), key=lambda item: item[1] is None):
+        (tmp / name).write_text("" if data is None else json.dumps(data, indent=2, sort_keys=True) + "\n")
+    replace_dir(tmp, out)
+    return out
+
+
+def read_export_provenance(export_dir: str | Path) -> dict | None:
+    """eyas_export.json of an eyas export, or None for a drafter written elsewhere."""
+    return read_json_record(Path(export_dir) / PROVENANCE_FILE)
+
+
+@dataclass
+class ExportState:
+    """What an export directory holds now (for eyas status)."""
+
+    complete: bool  # config.json and model.safetensors are there
+    provenance: dict  # eyas_export.json ({} for a drafter written elsewhere)
+
+
+def export_state(export_dir: str | Path) -> ExportState:
+    """Whether an export directory is complete, and its provenance."""
+    root = Path(export_dir)
+    complete = (root / CONFIG_FILE).is_file() and (root / MODEL_FILE).is_file()
+    return ExportState(complete=complete, provenance=(read_export_provenance(root) or {}) if complete else {})

@@ -1,0 +1,49 @@
+"""Hidden-state backends: what turns token ids into (aux, last) hidden states, behind one interface.
+
+    backend = open_backend(extract_cfg, target_path=..., target_dtype="bfloat16", aux_layer_ids=[2, 16, 29],
+                           hidden_size=4096, device="cuda:0")
+    [(aux, last), ...] = backend.features([ids_0, ids_1])   # aux [t_i, n_aux*H], last [t_i, H]
+    backend.close()
+
+`hf` runs the target through transformers in this process (CPU or one GPU); `sglang` asks an SGLang
+server in aux-capture mode (eyas.extract.backends.sglang). The extractor checks the widths of every
+batch of any backend (eyas.extract.backends.base) before it writes anything.
+"""
+
+from __future__ import annotations
+
+from eyas.config import ExtractConfig
+from eyas.extract.backends.base import AuxWidthError, HiddenStateBackend, check_aux_width, check_feature_widths
+from eyas.extract.backends.hf import HFBackend
+
+__all__ = [
+    "AuxWidthError",
+    "HFBackend",
+    "HiddenStateBackend",
+    "check_aux_width",
+    "check_feature_widths",
+    "open_backend",
+]
+
+
+def open_backend(
+    extract_cfg: ExtractConfig,
+    *,
+    target_path: str,
+    target_dtype: str,
+    aux_layer_ids: list[int],
+    hidden_size: int,
+    device: str,
+) -> HiddenStateBackend:
+    """The configured backend (the sglang one is imported only when asked for)."""
+    if extract_cfg.backend == "hf":
+        return HFBackend(
+            target_path, target_dtype=target_dtype, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, device=device
+        )
+    if extract_cfg.backend == "sglang":
+        from eyas.extract.backends.sglang import SGLangBackend
+
+        return SGLangBackend(
+            extract_cfg.sglang, target_path=target_path, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size
+        )
+    raise ValueError(f"extract.backend={extract_cfg.backend!r}: expected 'hf' or 'sglang'")

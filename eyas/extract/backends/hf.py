@@ -1,0 +1,49 @@
+"""The `hf` backend: the target through transformers in this process, on the CPU or one GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.target import load_target
+
+
+class HFBackend:
+    """The target through transformers, one right-padded forward pass per batch."""
+
+    name = "hf"
+
+    def __init__(self, target_path: str, *, target_dtype: str, aux_layer_ids: list[int], hidden_size: int, device: str):
+        self.target = load_target(target_path, target_dtype)
+        if self.target.hidden_size != hidden_size:
+            raise ValueError(
+                f"target {target_path}: loaded model has H={self.target.hidden_size}, config.json says "
+                f"{hidden_size}; the model directory changed during the run"
+            )
+        self.target.model.to(device)
+        self.aux_layer_ids, self.device = list(aux_layer_ids), device
+
+    @torch.no_grad()
+    def features(self, samples: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lengths = [len(s) for s in samples]
+        ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(samples):
+            ids[i, : len(s)] = s
+            mask[i, : len(s)] = 1
+        # logits_to_keep=1: the lm_head runs on one position only (eyas needs hidden states, and full
+        # logits of a 150k vocabulary would take more memory than the whole batch's hidden states).
+        out = self.target.model(
+            input_ids=ids.to(self.device),
+            attention_mask=None if len(samples) == 1 else mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        hs = out.hidden_states
+        return [
+            (torch.cat([hs[j][i, :n] for j in self.aux_layer_ids], dim=-1).cpu(), hs[-1][i, :n].cpu())
+            for i, n in enumerate(lengths)
+        ]
+
+    def close(self) -> None:
+        self.target = None

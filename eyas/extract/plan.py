@@ -1,0 +1,113 @@
+"""What an extraction must do: its parameters (extract.json), its shard plan, what is already done.
+
+    run, plan = describe_extraction(cfg, facts, target_dtype="bfloat16")   # no I/O but one table column
+    rp = resume_plan(store, run, plan)        # records or checks extract.json, cleans up, lists the missing
+    parts = assign_shards(rp.todo, num_workers)
+    tokens = finish_extraction(store, plan)   # every planned shard has exactly one row
+
+The shard plan depends only on the dataset and `shard_bytes`, never on batch size, device or worker
+count, so a crashed run resumes anywhere: `resume_plan` deletes what interrupted writes left, folds row
+files into the manifest and lists the shards without a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eyas.config import ExtractConfig
+from eyas.facts import RunFacts
+from eyas.layer_ids import LAYER_ID_CONVENTION
+from eyas.shards.format import FORMAT_VERSION, ShardPlan, bytes_per_token, plan_shards, shard_filename
+from eyas.shards.manifest import compact_manifest, read_manifest
+from eyas.shards.shard_set import ExtractConfigMismatchError, ExtractRunMeta, check_run_meta
+from eyas.storage import Storage
+
+
+def describe_extraction(
+    cfg: ExtractConfig, facts: RunFacts, *, target_dtype: str = "float32"
+) -> tuple[ExtractRunMeta, list[ShardPlan]]:
+    """The run's parameters (what `extract.json` records) and its shard plan, without loading the target."""
+    bpt = bytes_per_token(hidden_size=facts.hidden_size, num_aux=facts.num_aux, dtype=cfg.dtype)
+    plan = plan_shards(facts.sample_lengths(), bpt, cfg.shard_bytes)
+    run = ExtractRunMeta(
+        format_version=FORMAT_VERSION,
+        target_fingerprint=facts.target.fingerprint,
+        aux_layer_ids=list(facts.aux_layer_ids),
+        layer_id_convention=LAYER_ID_CONVENTION,
+        hidden_size=facts.hidden_size,
+        num_aux=facts.num_aux,
+        dtype=cfg.dtype,
+        target_dtype=target_dtype,
+        backend=cfg.backend,
+        dataset_hash=facts.dataset_hash,
+        shard_bytes=cfg.shard_bytes,
+        num_shards=len(plan),
+    )
+    return run, plan
+
+
+def assign_shards(todo: list[int], num_workers: int) -> list[list[int]]:
+    """Disjoint shard lists, one per worker (round robin: every worker gets early and late shards)."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers={num_workers}: expected >= 1")
+    return [todo[k::num_workers] for k in range(num_workers)]
+
+
+def check_manifest_against_plan(store: Storage, plan: list[ShardPlan], listing: dict[str, int]) -> set[int]:
+    """Indices of finished shards; refuses rows that disagree with the plan or whose file is gone."""
+    done = set()
+    for row in read_manifest(store):
+        p = plan[row.shard_index] if row.shard_index < len(plan) else None
+        found = (row.sample_start, row.sample_end, row.num_tokens)
+        if p is None or (p.sample_start, p.sample_end, p.num_tokens) != found:
+            raise ExtractConfigMismatchError(
+                f"{store.url}: manifest row of shard {row.shard_index:05d} (samples {row.sample_start}.."
+                f"{row.sample_end}, {row.num_tokens} tokens) disagrees with the plan ({p}); "
+                f"move the shards aside and extract again"
+            )
+        if listing.get(row.file) != row.num_bytes:
+            raise FileNotFoundError(
+                f"{store.url}/{row.file}: listed in the manifest ({row.num_bytes} bytes) but "
+                f"{'missing' if row.file not in listing else f'{listing[row.file]} bytes'} in storage; run "
+                f"verification, which quarantines it (eyas.shards.shard_set.quarantine_shards), then extract again"
+            )
+        done.add(row.shard_index)
+    return done
+
+
+@dataclass
+class ResumePlan:
+    """What a coordinator found and decided before any worker starts."""
+
+    run: ExtractRunMeta
+    plan: list[ShardPlan]
+    done: set[int]
+    todo: list[int]
+    strays_removed: int
+    unlisted: int  # shard objects without a manifest row (a crash between write and row): rewritten
+
+
+def resume_plan(store: Storage, run: ExtractRunMeta, plan: list[ShardPlan]) -> ResumePlan:
+    """Check or record the run's parameters, delete leftovers of interrupted writes, fold row files into
+    the manifest, and list the shards still to extract."""
+    check_run_meta(store, run)
+    strays = store.remove_partial()
+    compact_manifest(store)
+    listing = store.list()
+    done = check_manifest_against_plan(store, plan, listing)
+    todo = [p.index for p in plan if p.index not in done]
+    unlisted = sum(shard_filename(i) in listing for i in todo)
+    return ResumePlan(run, plan, done, todo, len(strays), unlisted)
+
+
+def finish_extraction(store: Storage, plan: list[ShardPlan]) -> int:
+    """Compact the manifest and check that every planned shard has its row; return the tokens listed."""
+    rows = compact_manifest(store)
+    missing = sorted({p.index for p in plan} - {r.shard_index for r in rows})
+    if missing:
+        shown = ", ".join(f"{i:05d}" for i in missing[:20]) + (" ..." if len(missing) > 20 else "")
+        raise RuntimeError(
+            f"{store.url}: {len(missing)} of {len(plan)} planned shards have no manifest row ({shown}); a worker "
+            f"failed or was stopped: run extraction again, it extracts only these"
+        )
+    return sum(r.num_tokens for r in rows)

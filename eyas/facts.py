@@ -1,0 +1,103 @@
+"""The facts of a run that the stages after the dataset share, resolved once and handed down.
+
+    facts = resolve_facts(config)        # once per run, after the dataset stage
+    facts.aux_layer_ids, facts.target.hidden_size, facts.dataset_hash, facts.storage()
+
+They come from config.json and the weight headers of the target (no weights are read), the footer
+of the tokenized table (its content hash and sample count), the configured aux layer ids resolved
+against the target's layer count, and where extraction writes. `sample_lengths()` reads one
+column of the table, on demand. A RunFacts is a pydantic model: flows hand it to their tasks and
+subflows as an argument, and extraction hands it to workers on other machines.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from eyas.config import RunConfig
+from eyas.dataset.table import read_dataset_hash, sample_lengths, tokenized_num_samples
+from eyas.layer_ids import resolve_aux_layer_ids
+from eyas.storage import Storage, open_storage
+from eyas.target import TargetFacts
+
+
+class RunFacts(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: TargetFacts
+    aux_layer_ids: list[int]  # canonical (eyas.layer_ids)
+    tokenized_path: str
+    dataset_hash: str
+    num_samples: int
+    shards_dir: str  # the run's local shards dir (verification and training read it); "" = none
+    storage_url: str  # where extraction writes: the local shards dir, or s3://bucket/prefix
+    s3_endpoint_url: str = ""
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    def storage(self) -> Storage:
+        """The storage extraction writes to (a new client each call: safe to use from any thread)."""
+        return open_storage(self.storage_url, endpoint_url=self.s3_endpoint_url)
+
+    def sample_lengths(self) -> list[int]:
+        """Tokens per sample, in dataset order (one column of the tokenized table, read once per process)."""
+        return list(_lengths(self.tokenized_path, self.dataset_hash))
+
+
+@lru_cache(maxsize=4)
+def _lengths(path: str, dataset_hash: str) -> tuple[int, ...]:
+    return tuple(sample_lengths(path))
+
+
+def resolve_facts(config: RunConfig) -> RunFacts:
+    """The run's facts from its config, its target's files and its tokenized table (which must exist)."""
+    paths = config.paths
+    return facts_for(
+        target_path=config.target.model_path,
+        tokenized_path=paths.tokenized,
+        aux_layer_ids=config.target.aux_layer_ids,
+        shards_dir=paths.shards_dir,
+        storage_url=config.extract.storage_url,
+        s3_endpoint_url=config.extract.s3_endpoint_url,
+    )
+
+
+def facts_for(
+    *,
+    target_path: str | Path,
+    tokenized_path: str | Path,
+    aux_layer_ids: list[int] | None = None,
+    shards_dir: str | Path = "",
+    storage_url: str = "",
+    s3_endpoint_url: str = "",
+) -> RunFacts:
+    """The facts of a run given by its parts (library callers without a RunConfig: `python -m eyas.extract`,
+    benchmarks, tests). `storage_url` defaults to `shards_dir`; a local storage_url is its own shards dir."""
+    tokenized = Path(tokenized_path)
+    if not tokenized.is_file():
+        raise FileNotFoundError(f"tokenized dataset {tokenized}: no such file; run the dataset stage first")
+    if not storage_url and not shards_dir:
+        raise ValueError("facts_for: expected shards_dir (a local directory) or storage_url (s3://bucket/prefix)")
+    storage_url = str(storage_url or shards_dir)
+    if not shards_dir and not storage_url.startswith("s3://"):
+        shards_dir = storage_url
+    target = TargetFacts.read(target_path)
+    return RunFacts(
+        target=target,
+        aux_layer_ids=resolve_aux_layer_ids(aux_layer_ids, target.num_layers),
+        tokenized_path=str(tokenized),
+        dataset_hash=read_dataset_hash(tokenized),
+        num_samples=tokenized_num_samples(tokenized),
+        shards_dir=str(shards_dir),
+        storage_url=storage_url,
+        s3_endpoint_url=s3_endpoint_url,
+    )

@@ -1,0 +1,219 @@
+"""Hidden-state shard files: the plan (which samples go into which shard), the file format, writing and reading.
+
+A shard is `shard-{index:05d}.safetensors` holding a run of whole samples packed along the token
+axis (`input_ids` int64 [T], `loss_mask` uint8 [T], `aux_hidden_states` [T, n_aux*H],
+`last_hidden_states` [T, H], `sample_offsets` int64 [n+1], `sample_indices` int64 [n]) with
+string `__metadata__` (see `ShardMeta`). Which samples go into which shard (`plan_shards`) depends
+only on the sample order and the shard size, never on the number of workers.
+
+The bytes of a shard are a pure function of its tensors and metadata (`serialize_shard`: header
+keys sorted, tensors ordered by alignment then name), so an interrupted and resumed extraction
+writes the same files as an uninterrupted one. Durability: a shard is written through
+`eyas.storage` (temporary -> fsync -> rename, or one S3 object); only then is its manifest row
+recorded (eyas.shards.manifest). A shard file without a manifest row is therefore an unfinished write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from eyas.checksum import checksum_bytes
+from eyas.shards.manifest import ManifestRow
+from eyas.storage import Storage, as_storage
+
+FORMAT_VERSION = "1"
+SHARD_NAME_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+# Per-token bytes besides the hidden states: input_ids (int64) + loss_mask (uint8).
+TOKEN_OVERHEAD_BYTES = 9
+SHARD_TENSOR_NAMES = (
+    "input_ids",
+    "loss_mask",
+    "aux_hidden_states",
+    "last_hidden_states",
+    "sample_offsets",
+    "sample_indices",
+)
+
+
+def shard_filename(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def dtype_itemsize(dtype: str) -> int:
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if dtype not in sizes:
+        raise ValueError(f"hidden-state dtype {dtype!r}: expected one of {sorted(sizes)}")
+    return sizes[dtype]
+
+
+def bytes_per_token(*, hidden_size: int, num_aux: int, dtype: str) -> int:
+    """Shard bytes per token: (n_aux + 1) * H hidden values plus TOKEN_OVERHEAD_BYTES for ids and mask."""
+    return (num_aux + 1) * hidden_size * dtype_itemsize(dtype) + TOKEN_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    sample_start: int
+    sample_end: int  # exclusive
+    num_tokens: int
+
+
+def plan_shards(num_tokens_per_sample: Sequence[int], bytes_per_token: int, shard_bytes: int) -> list[ShardPlan]:
+    """Pack whole samples, in order, into shards of at most `shard_bytes` (a sample larger than that
+    gets a shard of its own). A pure function of the sample lengths and the shard size."""
+    if bytes_per_token < 1 or shard_bytes < 1:
+        raise ValueError(f"plan_shards: bytes_per_token={bytes_per_token} and shard_bytes={shard_bytes} must be >= 1")
+    plans: list[ShardPlan] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(num_tokens_per_sample):
+        if n < 1:
+            raise ValueError(f"sample {i}: num_tokens={n}, expected >= 1; drop empty samples from the dataset")
+        if i > start and (tokens + n) * bytes_per_token > shard_bytes:
+            plans.append(ShardPlan(len(plans), start, i, tokens))
+            start, tokens = i, 0
+        tokens += n
+    if tokens:
+        plans.append(ShardPlan(len(plans), start, len(num_tokens_per_sample), tokens))
+    return plans
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """The `__metadata__` of a shard (stored as strings; `aux_layer_ids` as a JSON list)."""
+
+    target_fingerprint: str
+    aux_layer_ids: tuple[int, ...]
+    layer_id_convention: str
+    hidden_size: int
+    num_aux: int
+    dtype: str
+    backend: str
+    dataset_hash: str
+    shard_index: int
+    sample_start: int
+    sample_end: int
+    format_version: str = FORMAT_VERSION
+
+    def to_metadata(self) -> dict[str, str]:
+        out = {k: str(v) for k, v in asdict(self).items()}
+        out["aux_layer_ids"] = json.dumps(list(self.aux_layer_ids))
+        return out
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str] | None, *, source: str) -> "ShardMeta":
+        metadata = metadata or {}
+        names = [f.name for f in fields(cls)]
+        missing = sorted(set(names) - set(metadata))
+        if missing:
+            raise ValueError(
+                f"{source}: __metadata__ lacks keys {missing}; expected all of {sorted(names)}; "
+                f"the file was not written by eyas.shards.format.write_shard: re-extract it"
+            )
+        try:
+            ids = json.loads(metadata["aux_layer_ids"])
+            values = {n: metadata[n] for n in names}
+            values["aux_layer_ids"] = tuple(int(i) for i in ids)
+            for n in ("hidden_size", "num_aux", "shard_index", "sample_start", "sample_end"):
+                values[n] = int(values[n])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{source}: __metadata__ has a malformed value ({e}); re-extract the shard") from e
+        return cls(**values)
+
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def serialize_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
+    """safetensors bytes that depend only on the tensors and the metadata: header keys sorted,
+    tensors laid out by descending item size then name (so each is aligned to its dtype)."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype}, expected one of {list(SAFETENSORS_DTYPES)}")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    head += b" " * (-len(head) % 8)
+    out = bytearray(8 + len(head) + offset)
+    out[:8] = struct.pack("<Q", len(head))
+    out[8 : 8 + len(head)] = head
+    pos = 8 + len(head)
+    for name in order:
+        t = tensors[name].detach().cpu().contiguous().reshape(-1)
+        size = t.numel() * t.element_size()
+        if size:
+            out[pos : pos + size] = t.view(torch.uint8).numpy().data
+        pos += size
+    return out
+
+
+def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor], meta: ShardMeta) -> ManifestRow:
+    """Write one shard durably and return its manifest row (the caller records it: eyas.shards.manifest)."""
+    if sorted(tensors) != sorted(SHARD_TENSOR_NAMES):
+        raise ValueError(
+            f"shard {meta.shard_index:05d}: tensors {sorted(tensors)}, expected {sorted(SHARD_TENSOR_NAMES)}"
+        )
+    data = serialize_shard(tensors, meta.to_metadata())
+    name = shard_filename(meta.shard_index)
+    as_storage(where).put_bytes(name, data)
+    return ManifestRow(
+        shard_index=meta.shard_index,
+        file=name,
+        sample_start=meta.sample_start,
+        sample_end=meta.sample_end,
+        num_tokens=int(tensors["input_ids"].shape[0]),
+        num_bytes=len(data),
+        checksum=checksum_bytes(data),
+    )
+
+
+def shard_files(shards_dir: Path) -> list[Path]:
+    """The `*.safetensors` files in the directory (not temporaries, not the quarantine), sorted."""
+    with os.scandir(shards_dir) as entries:
+        names = sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())
+    return [Path(shards_dir) / n for n in names]
+
+
+def read_shard_layout(path: Path) -> tuple[ShardMeta, dict[str, tuple[str, tuple[int, ...]]]]:
+    """A shard's parsed metadata and {tensor: (dtype, shape)}, from its header only."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = ShardMeta.from_metadata(f.metadata(), source=str(path))
+        layout = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    return meta, layout
+
+
+def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], ShardMeta]:
+    """All tensors of one shard and its parsed metadata. The tensors may be memory-mapped: do not
+    modify the file in place while they live (eyas never does; it writes new files and renames)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = ShardMeta.from_metadata(f.metadata(), source=str(path))
+        return {k: f.get_tensor(k) for k in f.keys()}, meta

@@ -1,0 +1,148 @@
+"""The trainer's reader of a shard set: a global sample index -> its shard file and token range.
+
+    samples = ShardSamples("run/shards")          # every row of manifest.parquet, checked
+    sample = samples.load_sample(17)              # input_ids [T], loss_mask [T], aux_hidden [T, nH], last_hidden [T, H]
+
+A sample is addressed by its global index (the dataset order extraction used). The manifest is read
+through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an overlap; every shard's
+`__metadata__` is parsed strictly (eyas.shards.format.ShardMeta) when the shard is first opened and
+must agree with its manifest row and with the first shard's run-wide fields. A sample is read as
+memory-mapped slices, never a whole shard.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eyas.shards.format import ShardMeta
+from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
+
+# Shard tensor name -> batch key (the names `eyas.draft.ttt_loss` reads).
+SAMPLE_TENSORS = {
+    "input_ids": "input_ids",
+    "loss_mask": "loss_mask",
+    "aux_hidden_states": "aux_hidden",
+    "last_hidden_states": "last_hidden",
+}
+# ShardMeta fields every shard of one extraction run shares.
+RUN_FIELDS = (
+    "target_fingerprint",
+    "aux_layer_ids",
+    "layer_id_convention",
+    "hidden_size",
+    "num_aux",
+    "dtype",
+    "backend",
+    "dataset_hash",
+    "format_version",
+)
+
+
+class ShardDataError(ValueError):
+    """The shards on disk do not form the dataset the trainer expects."""
+
+
+class ShardSamples:
+    """Global sample index -> shard file + token range, read through the manifest.
+
+    `max_samples` > 0 keeps the first N samples. `meta` is the first shard's ShardMeta; every other
+    shard is checked against it when first read.
+    """
+
+    def __init__(self, shards_dir: str | Path, *, max_samples: int = 0):
+        self.shards_dir = Path(shards_dir)
+        if not (self.shards_dir / MANIFEST_NAME).is_file():
+            raise ShardDataError(
+                f"shards_dir {str(self.shards_dir)!r}: no {MANIFEST_NAME}; run extraction (eyas extract) first"
+            )
+        self._rows = read_manifest(self.shards_dir)
+        if not self._rows:
+            raise ShardDataError(
+                f"{self.shards_dir / MANIFEST_NAME}: the manifest has no rows; extraction wrote no shard: run "
+                "extraction (eyas extract) again"
+            )
+        total = self._rows[-1].sample_end
+        problems = coverage_problems(self._rows, total, where=str(self.shards_dir / MANIFEST_NAME))
+        if problems:
+            raise ShardDataError("; ".join(problems))
+        if max_samples > total:
+            raise ShardDataError(
+                f"max_samples={max_samples}: the shards in {self.shards_dir} hold only {total} samples; "
+                f"lower max_samples (0 = all) or extract more"
+            )
+        self._starts = [r.sample_start for r in self._rows]
+        self.num_samples = max_samples or total
+        self._offsets: dict[int, torch.Tensor] = {}
+        with safe_open(self._path(0), framework="pt") as f:
+            self.meta = self._parse(0, f)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _path(self, shard: int) -> Path:
+        return self.shards_dir / self._rows[shard].file
+
+    def _parse(self, shard: int, f) -> ShardMeta:
+        """The shard's metadata, checked against its manifest row."""
+        row = self._rows[shard]
+        try:
+            meta = ShardMeta.from_metadata(f.metadata(), source=f"shard {self._path(shard)}")
+        except ValueError as e:
+            raise ShardDataError(str(e)) from e
+        if (meta.shard_index, meta.sample_start, meta.sample_end) != (
+            row.shard_index,
+            row.sample_start,
+            row.sample_end,
+        ):
+            raise ShardDataError(
+                f"shard {row.file}: holds shard {meta.shard_index} (samples {meta.sample_start}..{meta.sample_end}), "
+                f"the manifest says shard {row.shard_index} (samples {row.sample_start}..{row.sample_end}); files "
+                f"swapped or renamed: run eyas verify, which quarantines it"
+            )
+        return meta
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard row, index within that shard) of a global sample index."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index}: expected 0 <= index < {self.num_samples}")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        return shard, index - self._rows[shard].sample_start
+
+    def _shard_offsets(self, shard: int, f) -> torch.Tensor:
+        if shard not in self._offsets:
+            row, meta = self._rows[shard], self._parse(shard, f)
+            for key in RUN_FIELDS:
+                if getattr(meta, key) != getattr(self.meta, key):
+                    raise ShardDataError(
+                        f"shard {row.file}: metadata {key}={getattr(meta, key)!r}, expected "
+                        f"{getattr(self.meta, key)!r} as in {self._rows[0].file}; the shards come from different "
+                        f"extraction runs; re-extract into an empty shards_dir"
+                    )
+            offsets = f.get_tensor("sample_offsets")
+            if offsets.numel() - 1 != row.sample_end - row.sample_start:
+                raise ShardDataError(
+                    f"shard {row.file}: {offsets.numel() - 1} samples in sample_offsets, manifest says "
+                    f"{row.sample_end - row.sample_start}; run eyas verify and re-extract it"
+                )
+            self._offsets[shard] = offsets
+        return self._offsets[shard]
+
+    def load_sample(self, index: int) -> dict[str, torch.Tensor | int]:
+        """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH], last_hidden [T, H]."""
+        shard, local = self.locate(index)
+        with safe_open(self._path(shard), framework="pt") as f:
+            offsets = self._shard_offsets(shard, f)
+            stored = int(f.get_slice("sample_indices")[local : local + 1][0])
+            if stored != index:
+                raise ShardDataError(
+                    f"shard {self._rows[shard].file}: position {local} holds sample {stored}, expected "
+                    f"{index} from the manifest; the shard and manifest disagree; run eyas verify"
+                )
+            a, b = int(offsets[local]), int(offsets[local + 1])
+            sample: dict = {key: f.get_slice(name)[a:b] for name, key in SAMPLE_TENSORS.items()}
+        sample["sample_index"] = index
+        return sample

@@ -1,0 +1,1 @@
+"""Where a run stands, read from the durable files its stages leave."""

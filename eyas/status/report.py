@@ -1,0 +1,306 @@
+"""Where a run stands, read from the durable files of its workdir alone: what `eyas status RUN` prints.
+
+    from eyas.status.report import run_status
+    status = run_status("runs/demo")          # a workdir, a RunConfig JSON, or a RunConfig
+    print(status.to_markdown())               # stages, progress, next command, software, hardware, files
+
+Each stage's state comes from what that stage leaves when it is done (eyas.status.probes asks each
+file's owner), never from a log:
+
+    dataset    dataset/tokenized.parquet + dataset/vocab.safetensors (+ report.json)
+    extract    shards/extract.json (shards planned) + the manifest's rows (shards done)
+    verify     verify/report.parquet against the manifest (a shard extracted later is unverified)
+    smoke      smoke/smoke.json
+    approval   approval.json, for this configuration's fingerprint
+    train      train/checkpoints/step-*/COMPLETE, final.json, metrics.jsonl, the trainer PIDs eyas recorded
+    export     export/sglang/ (+ eyas_export.json naming the checkpoint it came from)
+    bench      bench/benchmark.json, bench/diagnosis.json
+
+A RUN given as a directory is matched with its config through `run.json` (written by each stage's status
+artifact, tasks/status.py) or a preset in `presets_dir` whose workdir is that directory; without one the
+stages are still read and the commands say CONFIG. Nothing here imports Prefect: the flow runs a server
+knows of are added by the caller (`RunStatus.flow_runs`, see tasks/status.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from eyas.config import RunConfig, load_run_config
+from eyas.fsio import atomic_write_text
+from eyas.markdown import table
+from eyas.status import probes
+from eyas.status.probes import DONE, FAILED, RUNNING, STALE, UNREADABLE
+from eyas.train.preflight import query_gpus
+
+RUN_CONFIG_NAME = probes.RUN_CONFIG_NAME
+STAGES = ("dataset", "extract", "verify", "smoke", "approval", "train", "export", "bench")
+SOFTWARE = ("eyas", "torch", "transformers", "prefect", "safetensors", "sglang")
+
+
+@dataclass
+class StageState:
+    stage: str
+    state: str  # one of eyas.status.probes.STATES
+    detail: str
+    evidence: str  # the file (relative to the workdir) the state was read from
+
+
+@dataclass
+class RunStatus:
+    workdir: str
+    config_path: str | None
+    config: RunConfig | None
+    stages: list[StageState]
+    progress: dict
+    files: list[dict]
+    software: dict
+    hardware: dict
+    flow_runs: list[dict] = field(default_factory=list)  # filled by the caller from a Prefect server
+    flow_runs_note: str = ""
+
+    def stage(self, name: str) -> StageState:
+        return next(s for s in self.stages if s.stage == name)
+
+    def next_steps(self) -> list[str]:
+        return next_steps(self)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["config"] = None if self.config is None else self.config.model_dump(mode="json")
+        return {**data, "next_steps": self.next_steps()}
+
+    def to_markdown(self, title: str = "") -> str:
+        return render_markdown(self, title)
+
+
+def resolve_run(run: "str | Path | RunConfig", presets_dir: Path | None = None):
+    """(workdir, config or None, config path or None) of a workdir, a RunConfig JSON, or a RunConfig."""
+    if isinstance(run, RunConfig):
+        return Path(run.workdir), run, None
+    path = Path(run)
+    if path.is_file():
+        config = load_run_config(path)
+        return Path(config.workdir), config, path
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path}: neither a run config (a JSON RunConfig, e.g. deployments/tiny-cpu.json) nor a run's workdir "
+            f"(e.g. runs/demo); pass one of those"
+        )
+    if (path / RUN_CONFIG_NAME).is_file():
+        return path, load_run_config(path / RUN_CONFIG_NAME), path / RUN_CONFIG_NAME
+    for preset in sorted(presets_dir.glob("*.json")) if presets_dir else []:
+        config = load_run_config(preset)
+        if Path(config.workdir).resolve() == path.resolve():
+            return path, config, preset
+    return path, None, None
+
+
+def record_run_config(config: RunConfig) -> Path:
+    """Write the config beside the run's outputs (`run.json`), so that `eyas status WORKDIR` finds it."""
+    path = config.paths.root / RUN_CONFIG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, config.model_dump_json(indent=2) + "\n")
+    return path
+
+
+def run_status(run: "str | Path | RunConfig", *, presets_dir: Path | None = None) -> RunStatus:
+    """The status of a run from its files; see the module docstring."""
+    workdir, config, config_path = resolve_run(run, presets_dir)
+    ctx = probes.Context(workdir=workdir, config=config)
+    stages = []
+    for name in STAGES:
+        try:
+            stages.append(StageState(name, *getattr(probes, f"probe_{name}")(ctx)))
+        except probes.READ_ERRORS as err:  # a damaged file is this stage's state, not a crash of the report
+            stages.append(StageState(name, UNREADABLE, f"{type(err).__name__}: {err}", ""))
+    return RunStatus(
+        workdir=str(workdir),
+        config_path=None if config_path is None else str(config_path),
+        config=config,
+        stages=stages,
+        progress=ctx.progress,
+        files=probes.file_table(ctx),
+        software=software_versions(),
+        hardware=hardware(),
+    )
+
+
+def software_versions() -> dict:
+    """Installed versions (of this environment, which need not be the one that ran the stages)."""
+    versions = {"python": platform.python_version()}
+    for name in SOFTWARE:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def hardware() -> dict:
+    """This machine: host, CPU count, and its GPUs as nvidia-smi reports them."""
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        try:
+            gpus = [f"{g['device']} ({g['memory_used_mib']}/{g['memory_total_mib']} MiB used)" for g in query_gpus()]
+        except (subprocess.SubprocessError, OSError, ValueError) as err:
+            gpus = [f"nvidia-smi failed: {err}"]
+    return {"host": socket.gethostname(), "cpus": os.cpu_count(), "gpus": ", ".join(gpus) or "none visible"}
+
+
+def stage_command(stage: StageState, cfg: str, run: str, status: RunStatus) -> str:
+    """The command that moves `stage` forward, with why."""
+    name, state, detail = stage.stage, stage.state, stage.detail
+    whole = f"(or `eyas run {cfg}`: the whole pipeline from here)"
+    if name == "dataset":
+        return f"`eyas dataset {cfg}`: regenerate, tokenize and build the vocab mapping {whole}"
+    if name == "extract" and state == STALE:
+        return f"the shards do not match the config: {detail}; then `eyas extract {cfg}`"
+    if name == "extract":
+        shards = status.progress.get("shards", {})
+        todo = (
+            f"the {shards['planned'] - shards['done']:,} missing shards of {shards['planned']:,}"
+            if shards
+            else "every shard"
+        )
+        return f"`eyas extract {cfg}`: extracts {todo}; finished shards are kept {whole}"
+    if name == "verify" and state == FAILED:
+        return f"`eyas verify {cfg}`: quarantines the bad shards, re-extracts and verifies them again"
+    if name == "verify":
+        return f"`eyas verify {cfg}` {whole}"
+    if name == "smoke" and state == FAILED:
+        return f"the smoke run's loss did not fall ({detail}): check the shards (`eyas verify {cfg}`) and the vocab, then `eyas train {cfg}`"
+    if name in ("smoke", "approval"):
+        return f"`eyas train {cfg}`: smoke run, the approval gate (UI, or `eyas approve RUN_ID`), then training {whole}"
+    if name == "train":
+        step = status.progress.get("train", {}).get("step")
+        where = f"resumes from step {step:,}" if step else "starts from step 0"
+        return f"`eyas train {cfg}`: {where} (an approval recorded for this configuration is not asked again) {whole}"
+    if name == "export":
+        return f"`eyas export {cfg}` {whole}"
+    if state == FAILED:
+        return f"read {run}/bench/diagnosis.json ({detail}); fix the cause, then `eyas bench {cfg}`"
+    return f"`eyas bench {cfg}`"
+
+
+def next_steps(status: RunStatus) -> list[str]:
+    """What to do now, first the command to run."""
+    cfg, run = status.config_path or "CONFIG", status.workdir
+    steps = []
+    paused = [r for r in status.flow_runs if r.get("state") in ("Paused", "Suspended")]
+    if paused:
+        steps.append(
+            f"flow run {paused[0]['id']} waits at the approval gate: `eyas approve {paused[0]['id']}` [--reject]"
+        )
+    if status.stage("train").state == RUNNING:
+        return steps + [
+            f"training is running: `tail -f {run}/train/torchrun.log`; `eyas status` again later; stop it with `eyas stop {run}/train`"
+        ]
+    if status.stage("extract").state == RUNNING:
+        return steps + ["an extraction is running on this machine: `eyas status` again shows its progress"]
+    # the smoke run and the gate matter only before training: once approved, or once trained, they are passed
+    passed = {"smoke"} if status.stage("approval").state == DONE else set()
+    passed |= {"smoke", "approval"} if status.stage("train").state == DONE else set()
+    pending = [s for s in status.stages if s.state != DONE and s.stage not in passed]
+    if pending:
+        steps.append(stage_command(pending[0], cfg, run, status))
+    else:
+        steps.append(
+            f"nothing: the run is finished. The drafter is {run}/export/sglang; serve it with `python -m "
+            f"sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {run}/export/sglang ...` (see README, Acceptance benchmark)"
+        )
+    if status.config is None:
+        steps.append(
+            f"no config found for {run}: `eyas status CONFIG` gives exact commands and checks the files against it"
+        )
+    return steps
+
+
+def _acceptance_line(progress: dict) -> str:
+    acc = progress.get("acceptance")
+    if acc:
+        per_pos = ", ".join(f"{r:.2f}" for r in acc.get("accept_rate_per_position") or [])
+        return (
+            f"tau {acc['tau_mean']:.2f} ({acc['engine']} engine)"
+            + (f", n-gram {acc['tau_ngram']:.2f}" if "tau_ngram" in acc else "")
+            + (f", random draft {acc['tau_random']:.2f}" if "tau_random" in acc else "")
+            + (f"; acceptance per position {per_pos}" if per_pos else "")
+        )
+    metrics = progress.get("train", {}).get("last_metrics")
+    if metrics and metrics.get("acc_k"):
+        acc_k = ", ".join(f"{a:.2f}" for a in metrics["acc_k"])
+        return (
+            f"no benchmark yet; teacher-forced accuracy per TTT step at step {metrics['step']:,}: {acc_k} (not a tau)"
+        )
+    return "no benchmark yet"
+
+
+def _progress_lines(status: RunStatus) -> list[str]:
+    p, lines = status.progress, []
+    if "shards" in p:
+        s, v = p["shards"], p.get("verified", {})
+        lines.append(
+            f"shards: {s['done']:,} of {s['planned']:,} extracted ({s['bytes_done'] / (1 << 30):.2f} GiB), "
+            f"{v.get('ok', 0):,} verified; {s['quarantined']} quarantined"
+            + (f" (latest: {s['last_quarantine_reason']})" if s["last_quarantine_reason"] else "")
+            + (f"; {s['interrupted_writes']} interrupted writes, removed on resume" if s["interrupted_writes"] else "")
+        )
+    t = p.get("train", {})
+    if t.get("checkpoint"):
+        of = f" of {t['planned_steps']:,}" if t.get("planned_steps") else ""
+        lines.append(
+            f"checkpoint: step {t['step']:,}{of}, {t['samples_consumed']:,} samples consumed: `{t['checkpoint']}`"
+        )
+    if t.get("last_metrics"):
+        m = t["last_metrics"]
+        lines.append(
+            f"last metrics: step {m.get('step')}, epoch {m.get('epoch')}, loss {m.get('loss', float('nan')):.4f}, "
+            f"lr {m.get('lr', 0):.2e}, {m.get('elapsed_s', 0):,.0f} s into the launch"
+        )
+    lines.append(f"acceptance: {_acceptance_line(p)}")
+    return lines
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    return table(header, rows).split("\n")
+
+
+def render_markdown(status: RunStatus, title: str = "") -> str:
+    name = status.config.name if status.config else Path(status.workdir).name
+    out = [f"# Run `{name}`{f' ({title})' if title else ''}", ""]
+    out += [f"workdir `{status.workdir}`; config `{status.config_path or 'not found'}`", "", "## Stages", ""]
+    out += _table(
+        ["stage", "state", "detail", "read from"], [[s.stage, s.state, s.detail, s.evidence] for s in status.stages]
+    )
+    out += ["", "## Progress", ""] + [f"- {line}" for line in _progress_lines(status)]
+    out += ["", "## Next", ""] + [f"{i}. {step}" for i, step in enumerate(status.next_steps(), 1)]
+    out += ["", "## Prefect flow runs of this workdir", ""]
+    if status.flow_runs:
+        keys = ["flow", "run", "state", "started", "duration_s", "id"]
+        out += _table(keys, [[r.get(k, "") for k in keys] for r in status.flow_runs])
+    out += [status.flow_runs_note] if status.flow_runs_note else ([] if status.flow_runs else ["none recorded"])
+    out += ["", "## Software and hardware (this machine)", ""]
+    out += _table(["", ""], [[k, v] for k, v in {**status.software, **status.hardware}.items()])
+    out += ["", "## Files", ""]
+    out += _table(["what", "path", "exists"], [[f["what"], f["path"], _exists(f["exists"])] for f in status.files])
+    return "\n".join(out) + "\n"
+
+
+def _exists(flag: bool | None) -> str:
+    return "remote" if flag is None else ("yes" if flag else "-")
+
+
+def format_json(status: RunStatus) -> str:
+    return json.dumps(status.to_dict(), indent=2, default=str)
+
+
+__all__ = ["RunStatus", "StageState", "STAGES", "record_run_config", "resolve_run", "run_status"]

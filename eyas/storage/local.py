@@ -1,0 +1,63 @@
+"""A local directory as storage: objects are files written temporary -> fsync -> rename (eyas.fsio)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from eyas.checksum import checksum_bytes
+from eyas.fsio import TMP_MARKER, atomic_write_bytes
+from eyas.storage.base import check_checksum
+
+
+class LocalStorage:
+    """A directory; names may contain '/' (subdirectories are created on write)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def _path(self, name: str) -> Path:
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise ValueError(f"storage {self.url}: object name {name!r} must be relative and stay inside the root")
+        return self.root / name
+
+    def put_bytes(self, name: str, data: bytes) -> str:
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)
+        return checksum_bytes(data)
+
+    def get_bytes(self, name: str, *, checksum: str | None = None) -> bytes:
+        data = self._path(name).read_bytes()
+        if checksum is not None:
+            check_checksum(data, checksum, source=str(self._path(name)))
+        return data
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return {}
+        out = {}
+        with os.scandir(base) as entries:
+            for e in entries:
+                if e.is_file() and TMP_MARKER not in e.name:
+                    out[f"{prefix.rstrip('/')}/{e.name}" if prefix else e.name] = e.stat().st_size
+        return out
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def remove_partial(self) -> list[str]:
+        strays = []
+        for p in sorted(self.root.rglob(f".*{TMP_MARKER}*")):
+            if p.is_file():
+                p.unlink()
+                strays.append(str(p.relative_to(self.root)))
+        return strays
+
+    def local_path(self) -> Path | None:
+        return self.root

@@ -1,0 +1,1 @@
+"""Training stage: smoke run, device preflight, the torchrun launch and the trainer it runs."""

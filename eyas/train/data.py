@@ -1,0 +1,84 @@
+"""The training order and batches: which samples each step takes, on which rank, padded how.
+
+The training order is `global_order(n, seed, epoch)`, a permutation that depends only on (seed,
+epoch); a step takes the next `global_batch_size` ids of it and rank r trains on
+`rank_slice(ids, r, world)`. The data position is the number of global samples consumed, so a run
+resumed on another world size continues the same order. Steps: `num_epochs` x (samples //
+global_batch_size), capped by `max_steps` when it is > 0 (`total_steps`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import torch
+
+from eyas.config import TrainConfig
+from eyas.shards.reader import SAMPLE_TENSORS, ShardDataError
+
+
+@lru_cache(maxsize=4)
+def _cached_order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    digest = hashlib.sha256(f"eyas-order:{seed}:{epoch}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return tuple(torch.randperm(num_samples, generator=gen).tolist())
+
+
+def global_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The permutation of sample indices for one epoch; a function of (seed, epoch) only."""
+    return list(_cached_order(num_samples, seed, epoch))
+
+
+def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
+    """Full global batches per epoch; the tail of each shuffled epoch (< one batch) is skipped."""
+    if num_samples < global_batch_size:
+        raise ShardDataError(
+            f"train.global_batch_size={global_batch_size} is larger than the {num_samples} training samples; "
+            f"lower it or train on more samples"
+        )
+    return num_samples // global_batch_size
+
+
+def batch_at(samples_consumed: int, num_samples: int, global_batch_size: int, seed: int) -> tuple[int, list[int]]:
+    """(epoch, global sample ids) of the batch that follows `samples_consumed` samples."""
+    epoch_len = steps_per_epoch(num_samples, global_batch_size) * global_batch_size
+    epoch, offset = divmod(samples_consumed, epoch_len)
+    return epoch, list(_cached_order(num_samples, seed, epoch)[offset : offset + global_batch_size])
+
+
+def rank_slice(global_batch_ids: list[int], rank: int, world: int) -> list[int]:
+    """Rank r's contiguous share of a global batch; shares differ in size by at most one."""
+    n = len(global_batch_ids)
+    if n < world:
+        raise ValueError(
+            f"a global batch of {n} samples cannot give each of {world} ranks a sample; "
+            f"raise train.global_batch_size to at least {world}"
+        )
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return list(global_batch_ids[start : start + base + (rank < extra)])
+
+
+def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad samples (each cut to max_len tokens) into one batch of at least `min_len` columns;
+    `valid` marks real tokens, padding has loss_mask 0."""
+    if not samples:
+        raise ValueError("collate: no samples; expected at least one")
+    lengths = [min(int(s["input_ids"].shape[0]), max_len) for s in samples]
+    width = max(*lengths, min_len)
+    batch = {}
+    for key in SAMPLE_TENSORS.values():
+        first = samples[0][key]
+        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype)
+        for row, (s, n) in enumerate(zip(samples, lengths)):
+            out[row, :n] = s[key][:n]
+        batch[key] = out
+    batch["valid"] = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    return batch
+
+
+def total_steps(num_samples: int, train: TrainConfig) -> int:
+    """Optimizer steps of a training run over `num_samples` samples."""
+    steps = train.num_epochs * steps_per_epoch(num_samples, train.global_batch_size)
+    return min(steps, train.max_steps) if train.max_steps else steps

@@ -1,0 +1,134 @@
+"""The training launch: the trainer's job file, the exact torchrun command, and the run of it.
+
+    final = train_run(config, facts, on_metric=callback)    # torchrun -m eyas.train; returns final.json
+
+The trainer is never re-run blindly: every launch resumes from the newest complete checkpoint in
+the train directory (eyas.train.trainer) and says which one; a launch that fails raises
+TorchrunFailed, which records whether it got further than it started (a newer complete checkpoint),
+so that a caller can relaunch only a trainer that made progress. Every launcher is recorded in the
+train directory's process registry (eyas.train.preflight), so `eyas stop` stops it and only it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from eyas.config import RunConfig, TrainJob
+from eyas.facts import RunFacts
+from eyas.fsio import atomic_write_text
+from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
+from eyas.train.data import total_steps
+from eyas.train.metrics import parse_metric_line
+from eyas.train.preflight import record_launch
+
+JOB_FILE = "job.json"
+LOG_FILE = "torchrun.log"
+
+
+class TorchrunFailed(RuntimeError):
+    """torchrun exited non-zero; `progressed`: it left a newer complete checkpoint than it started from."""
+
+    def __init__(self, message: str, *, started_from: Path | None, newest: Path | None):
+        super().__init__(message)
+        self.started_from, self.newest = started_from, newest
+
+    @property
+    def progressed(self) -> bool:
+        return self.newest is not None and (self.started_from is None or self.newest.name > self.started_from.name)
+
+
+def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None, max_samples: int = 0) -> TrainJob:
+    """The trainer's job for this run (the smoke run passes its own output_dir and sample count)."""
+    paths = config.paths
+    return TrainJob(
+        target_path=str(Path(config.target.model_path).resolve()),
+        shards_dir=str(Path(facts.shards_dir).resolve()),
+        vocab_path=str(paths.vocab.resolve()),
+        output_dir=str((output_dir or paths.train_dir).resolve()),
+        aux_layer_ids=list(facts.aux_layer_ids),
+        draft=config.draft,
+        train=config.train,
+        max_samples=max_samples,
+    )
+
+
+def write_train_job(job: TrainJob, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, job.model_dump_json(indent=2))
+    return path
+
+
+def torchrun_command(config: RunConfig, job_path: Path) -> list[str]:
+    """The exact command the train stage runs (torchrun through the current interpreter)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={config.train.num_processes}",
+        "-m",
+        "eyas.train",
+        "--config",
+        str(job_path),
+    ]
+
+
+def format_command(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def planned_steps(num_samples: int, config: RunConfig) -> int:
+    return total_steps(num_samples, config.train)
+
+
+def gpu_hours_estimate(num_samples: int, config: RunConfig) -> float:
+    return planned_steps(num_samples, config) * config.approval.gpu_hours_per_step * config.train.num_processes
+
+
+def describe_start(checkpoint: Path | None, config: RunConfig) -> str:
+    """Where a launch starts: step 0, or the checkpoint it resumes from (and the copy restored first)."""
+    copy = config.train.checkpoint_copy_url
+    restore = f" (a newer one in train.checkpoint_copy_url={copy} is restored first)" if copy else ""
+    if checkpoint is None:
+        return f"no complete checkpoint in {config.paths.train_dir}: training starts at step 0{restore}"
+    state = read_trainer_state(checkpoint)
+    return f"resuming from {checkpoint} (step {state['step']}, {state['samples_consumed']} samples consumed){restore}"
+
+
+def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict], None] | None = None) -> dict:
+    """The stage entry: run the trainer under torchrun, resuming from the newest complete checkpoint; every
+    rank-0 metric record goes to `on_metric`, every output line to train/torchrun.log. Returns final.json."""
+    train_dir = config.paths.train_dir
+    job_path = write_train_job(train_job(config, facts), train_dir / JOB_FILE)
+    cmd = torchrun_command(config, job_path)
+    started_from = latest_complete(train_dir)
+    print(describe_start(started_from, config))
+    print(f"launching: {format_command(cmd)}")
+    log_path = train_dir / LOG_FILE
+    with (
+        open(log_path, "a") as log,
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        ) as proc,
+    ):
+        record_launch(train_dir, proc.pid, cmd)
+        for line in proc.stdout:
+            log.write(line)
+            record = parse_metric_line(line)
+            if record is not None and on_metric is not None:
+                on_metric(record)
+    if proc.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        newest = latest_complete(train_dir)
+        raise TorchrunFailed(
+            f"torchrun exited with {proc.returncode} (started from {started_from or 'step 0'}, newest complete "
+            f"checkpoint now {newest or 'none'}); last lines of {log_path}:\n{tail}",
+            started_from=started_from,
+            newest=newest,
+        )
+    return json.loads((train_dir / FINAL_FILE).read_text())

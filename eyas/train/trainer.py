@@ -1,0 +1,315 @@
+"""The trainer: one rank's training run of an EAGLE-3 draft on extracted hidden-state shards.
+
+Each optimizer step takes the next `train.global_batch_size` samples of the (seed, epoch) order
+(eyas.train.data), split over the ranks; the loss is `eyas.draft.ttt_loss`. AdamW updates every
+parameter except the frozen embed_tokens. `train.parallelism` picks DDP (a replica per rank) or
+FSDP2 (sharded; eyas.train.parallel). Learning rate: linear warmup from lr/num_warmup_steps to lr over
+`num_warmup_steps` steps, then cosine decay towards 0 at the last step.
+
+Rank 0 appends one metric record per step (eyas.train.metrics). Checkpoints go to
+`output_dir/checkpoints/` every `save_every_steps` and at the end (eyas.train.checkpoint); a re-run
+resumes from the newest complete one, on any world size and under either parallelism, continuing the
+same sample order. With `train.checkpoint_copy_url` set, rank 0 copies each complete checkpoint there
+(eyas.train.checkpoint_copy), and a run whose output_dir lacks the copy's newest checkpoint (a fresh
+machine) restores it before resuming. At the end rank 0 writes `output_dir/final.json` =
+{"checkpoint", "step", "final_loss"}. The process entry is eyas/train/__main__.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eyas.config import TrainJob
+from eyas.dataset.vocab import load_vocab
+from eyas.draft import DraftArch, Eagle3Draft, build_draft, ttt_loss
+from eyas.fsio import atomic_write_text
+from eyas.shards.reader import ShardSamples
+from eyas.target import load_embed_and_lm_head, target_fingerprint
+from eyas.train.checkpoint import FINAL_FILE, latest_complete, load_training_state, read_arch, write_checkpoint
+from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
+from eyas.train.data import batch_at, collate, rank_slice, total_steps
+from eyas.train.metrics import emit_metrics
+from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, local_value, parallelize
+
+
+@dataclass
+class TrainSetup:
+    """A fresh draft and everything a step needs, checked against the shards and the target."""
+
+    draft: Eagle3Draft
+    head_rows: torch.Tensor  # the target lm_head rows of the draft vocab [Vd, H]
+    samples: ShardSamples
+    fingerprint: str
+
+
+def _check_shards(samples: ShardSamples, job: TrainJob, hidden_size: int, fingerprint: str) -> None:
+    meta = samples.meta
+    found = (meta.target_fingerprint, list(meta.aux_layer_ids), meta.hidden_size, meta.num_aux)
+    expected = (fingerprint, job.aux_layer_ids, hidden_size, len(job.aux_layer_ids))
+    if found != expected:
+        raise ValueError(
+            f"shards {job.shards_dir}: (target_fingerprint, aux_layer_ids, hidden_size, num_aux) = {found}, "
+            f"expected {expected} from the target {job.target_path} and the job; the shards were extracted "
+            f"from another target or with other layers; re-extract or fix the job"
+        )
+
+
+def build_setup(job: TrainJob) -> TrainSetup:
+    """A fresh draft for the job, its shards opened and checked against the target and the job."""
+    samples = ShardSamples(job.shards_dir, max_samples=job.max_samples)
+    embed, lm_head = load_embed_and_lm_head(job.target_path)
+    d2t, t2d, _ = load_vocab(job.vocab_path)
+    vocab, hidden = embed.shape
+    if lm_head.shape != embed.shape or t2d.numel() != vocab:
+        raise ValueError(
+            f"target {job.target_path}: embed {list(embed.shape)}, lm_head {list(lm_head.shape)}, vocab t2d "
+            f"[{t2d.numel()}]; expected equal shapes and t2d over the target vocab; rebuild the vocab for this target"
+        )
+    fingerprint = target_fingerprint(job.target_path)
+    _check_shards(samples, job, hidden, fingerprint)
+    arch = DraftArch(
+        hidden_size=hidden,
+        num_aux=len(job.aux_layer_ids),
+        target_vocab_size=vocab,
+        draft_vocab_size=d2t.numel(),
+        **job.draft.model_dump(),  # DraftConfig's fields are DraftArch's layer shape, name for name
+    )
+    draft = build_draft(arch, embed, d2t, t2d, seed=job.train.seed)
+    head_rows = lm_head[torch.arange(d2t.numel()) + d2t].float()
+    return TrainSetup(draft=draft, head_rows=head_rows, samples=samples, fingerprint=fingerprint)
+
+
+class TTTObjective(nn.Module):
+    """The draft plus its loss, so that the wrapper's forward (DDP arms gradient sync, FSDP2 gathers the
+    parameters) runs the TTT unroll."""
+
+    def __init__(self, draft: Eagle3Draft, head_rows: torch.Tensor, num_steps: int, decay: float, bf16: bool):
+        super().__init__()
+        self.draft = draft
+        self.head_rows = head_rows  # a plain attribute: constant, neither saved nor broadcast
+        self.num_steps, self.decay, self.bf16 = num_steps, decay, bf16
+
+    def forward(self, batch: dict):
+        # the soft cross-entropy itself is computed in fp32 inside ttt_loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            return ttt_loss(self.draft, batch, self.head_rows, self.num_steps, self.decay)
+
+
+def use_bf16(mixed_precision: str, device: torch.device) -> bool:
+    """auto: bf16 autocast on CUDA, fp32 on CPU; an explicit bf16 without CUDA is refused."""
+    if mixed_precision == "bf16" and device.type != "cuda":
+        raise ValueError(
+            f"train.mixed_precision='bf16' on {device}: bf16 autocast is for CUDA devices; use 'auto' or 'off' on CPU"
+        )
+    return device.type == "cuda" and mixed_precision != "off"
+
+
+def make_optimizer(draft: Eagle3Draft, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(optimizer, num_warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the peak lr over `num_warmup_steps`, then cosine decay towards 0 at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return (step + 1) / num_warmup_steps
+        progress = (step - num_warmup_steps) / max(1, total_steps - num_warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_step(model: nn.Module, optimizer, scheduler, batch: dict, max_grad_norm: float) -> dict:
+    """One optimizer step; returns this rank's per-step stats (tensors) and the lr it used."""
+    optimizer.zero_grad(set_to_none=True)
+    total, losses, accs, counts = model(batch)
+    total.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # FSDP2: over all shards (DTensors)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return {"losses": losses, "accs": accs, "counts": counts, "grad_norm": float(local_value(grad_norm)), "lr": lr}
+
+
+def reduce_stats(stats: dict, decay: float) -> dict:
+    """Token-weighted loss and accuracy per TTT step over all ranks; loss = sum_k decay^k loss_k."""
+    counts = torch.stack(stats["counts"]).float()
+    table = torch.stack([torch.stack(stats["losses"]) * counts, torch.stack(stats["accs"]) * counts, counts])
+    table = table.detach().cpu().double()
+    if dist.is_initialized():
+        dist.all_reduce(table)
+    n = table[2].clamp(min=1.0)
+    loss_k, acc_k = (table[0] / n).tolist(), (table[1] / n).tolist()
+    return {
+        "loss": sum(decay**k * v for k, v in enumerate(loss_k)),
+        "loss_k": loss_k,
+        "acc_k": acc_k,
+        "num_tokens": int(table[2, 0]),
+    }
+
+
+def log(ctx: Dist, message: str) -> None:
+    if ctx.rank == 0:
+        print(f"[eyas.train] {message}", flush=True)
+
+
+def resume(job: TrainJob, setup: TrainSetup, optimizer, scheduler, ctx: Dist) -> dict:
+    """Restore the newest complete checkpoint; returns its trainer_state (step 0 when there is none)."""
+    checkpoint = latest_complete(job.output_dir)
+    if checkpoint is None:
+        return {"step": 0, "samples_consumed": 0, "loss": None, "checkpoint": None}
+    meta = read_arch(checkpoint)
+    if (meta["target_fingerprint"], meta["aux_layer_ids"]) != (setup.fingerprint, job.aux_layer_ids):
+        raise ValueError(
+            f"checkpoint {checkpoint}: target_fingerprint {meta['target_fingerprint']}, aux_layer_ids "
+            f"{meta['aux_layer_ids']}; the job has {setup.fingerprint}, {job.aux_layer_ids}; use a new output_dir"
+        )
+    state = load_training_state(checkpoint, draft=setup.draft, optimizer=optimizer, scheduler=scheduler)
+    if state["global_batch_size"] != job.train.global_batch_size:
+        raise ValueError(
+            f"checkpoint {checkpoint}: saved with train.global_batch_size={state['global_batch_size']}, the job "
+            f"has {job.train.global_batch_size}; the data position would shift; restore it or use a new output_dir"
+        )
+    log(
+        ctx,
+        f"resumed from {checkpoint} at step {state['step']} ({state['samples_consumed']} samples consumed, "
+        f"saved with world size {state['world_size']}, now {ctx.world}; saved under "
+        f"{state.get('parallelism', 'ddp')}, now {job.train.parallelism})",
+    )
+    return {**state, "checkpoint": str(checkpoint)}
+
+
+def write_final(output_dir: Path, final: dict) -> None:
+    atomic_write_text(output_dir / FINAL_FILE, json.dumps(final, indent=2) + "\n")
+
+
+class Trainer:
+    """One rank's training run: built from the job, resumed from the newest complete checkpoint."""
+
+    def __init__(self, job: TrainJob, ctx: Dist):
+        t = self.train_config = job.train
+        self.job, self.ctx, self.output_dir = job, ctx, Path(job.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.copy_store = open_copy_store(t) if ctx.rank == 0 else None
+        if t.checkpoint_copy_url:
+            self.sync_copy()
+        self.setup = build_setup(job)
+        self.draft = self.setup.draft.to(ctx.device)
+        bf16 = use_bf16(t.mixed_precision, ctx.device)
+        objective = TTTObjective(self.draft, self.setup.head_rows.to(ctx.device), t.num_ttt_steps, t.ttt_decay, bf16)
+        self.model = parallelize(objective, t.parallelism, ctx.device)
+        # after parallelize: under FSDP2 the optimizer holds the sharded parameters
+        self.optimizer = make_optimizer(self.draft, t.lr, t.weight_decay)
+        self.last_step = total_steps(len(self.setup.samples), t)
+        self.scheduler = make_scheduler(self.optimizer, t.num_warmup_steps, self.last_step)
+        state = resume(job, self.setup, self.optimizer, self.scheduler, ctx)
+        self.step, self.consumed, self.loss = state["step"], state["samples_consumed"], state["loss"]
+        self.checkpoint = state["checkpoint"]
+
+    def sync_copy(self) -> None:
+        """Rank 0 restores the copy's newest checkpoint (or copies the local newest) while the others wait."""
+        if self.copy_store is not None:
+            done = sync_at_start(self.copy_store, self.output_dir, self.train_config.num_checkpoints_kept)
+            log(self.ctx, done or f"checkpoint copy {self.copy_store.url}: nothing to restore or to copy")
+        dist.barrier()  # the other ranks resume from what rank 0 restored
+
+    def next_batch(self) -> tuple[int, list[int], dict]:
+        """(epoch, global batch ids, this rank's collated share) after `consumed` samples."""
+        t = self.train_config
+        epoch, ids = batch_at(self.consumed, len(self.setup.samples), t.global_batch_size, t.seed)
+        mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
+        # ttt_loss needs more columns than TTT steps; padding is masked out, so this changes no result.
+        batch = collate(mine, self.job.draft.max_position_embeddings, min_len=t.num_ttt_steps + 1)
+        return epoch, ids, {k: v.to(self.ctx.device) for k, v in batch.items()}
+
+    def train_one_step(self, start: float) -> dict:
+        t = self.train_config
+        epoch, ids, batch = self.next_batch()
+        stats = train_step(self.model, self.optimizer, self.scheduler, batch, t.max_grad_norm)
+        self.step, self.consumed = self.step + 1, self.consumed + len(ids)
+        record = {
+            "step": self.step,
+            "epoch": epoch,
+            "samples_consumed": self.consumed,
+            **reduce_stats(stats, t.ttt_decay),
+            "lr": stats["lr"],
+            "grad_norm": stats["grad_norm"],
+            "elapsed_s": round(time.monotonic() - start, 3),
+            "sample_ids": ids,
+        }
+        self.loss = record["loss"]
+        if self.ctx.rank == 0:
+            emit_metrics(record, self.output_dir)
+        if not math.isfinite(self.loss):  # every rank sees the same all-reduced loss, so all stop together
+            raise FloatingPointError(
+                f"step {self.step}: loss {self.loss} (per TTT step {record['loss_k']}); training diverged or a "
+                f"shard holds non-finite hidden states; run eyas verify in full mode, or lower train.lr={t.lr}"
+            )
+        return record
+
+    def save(self, epoch: int) -> None:
+        """Every rank hands in its part of the full state (FSDP2 gathers it); rank 0 writes the checkpoint
+        and copies it while the other ranks wait."""
+        t = self.train_config
+        model_state = full_model_state(self.draft)
+        optimizer_state = full_optimizer_state(self.draft, self.optimizer)
+        if self.ctx.rank == 0:
+            trainer_state = {
+                "samples_consumed": self.consumed,
+                "epoch": epoch,
+                "world_size": self.ctx.world,
+                "parallelism": t.parallelism,
+                "global_batch_size": t.global_batch_size,
+                "loss": self.loss,
+            }
+            path = write_checkpoint(
+                self.output_dir,
+                self.step,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                scheduler_state=self.scheduler.state_dict(),
+                arch=self.draft.arch,
+                trainer_state=trainer_state,
+                aux_layer_ids=self.job.aux_layer_ids,
+                target_fingerprint=self.setup.fingerprint,
+                keep_last=t.num_checkpoints_kept,
+            )
+            self.checkpoint = str(path)
+            if self.copy_store is not None:
+                copy_checkpoint(self.copy_store, path)
+                rotate_copies(self.copy_store, t.num_checkpoints_kept)
+        dist.barrier()
+
+    def run(self) -> dict:
+        """Train to the last step, saving on schedule and at the end; returns the final.json contents."""
+        log(
+            self.ctx,
+            f"training steps {self.step + 1}..{self.last_step} on {len(self.setup.samples)} samples, "
+            f"world size {self.ctx.world}, {self.train_config.parallelism}",
+        )
+        start = time.monotonic()
+        while self.step < self.last_step:
+            record = self.train_one_step(start)
+            if self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step:
+                self.save(record["epoch"])
+        final = {"checkpoint": self.checkpoint, "step": self.step, "final_loss": self.loss}
+        if self.ctx.rank == 0:
+            write_final(self.output_dir, final)
+            log(self.ctx, f"done: step {self.step}, loss {self.loss}, checkpoint {self.checkpoint}")
+        return final
+
+
+def train(job: TrainJob, ctx: Dist) -> dict:
+    """Train (resuming if possible) to the last step; returns the final.json contents."""
+    return Trainer(job, ctx).run()

@@ -1,0 +1,359 @@
+"""The checks of shard verification: each takes one shard's state and raises `Bad` with the reason.
+
+Headers are parsed here (8-byte little-endian length, JSON), not through `safe_open`, so cheap mode
+costs one open, two small reads and a few small `pread`s per shard. Full mode reads every byte once,
+in chunks of `chunk_bytes` into a buffer reused by the thread: each chunk feeds the checksum and, inside
+the hidden-state tensors, an exact finiteness test on the exponent bits (float32, bfloat16, float16).
+A chunk that fits the core's cache (the default 512 KiB) is read from memory once, by the copy out of
+the page cache; the hash and the finiteness test then find it in cache.
+Memory per shard in flight is one chunk, whatever the shard's size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from eyas.checksum import format_digest, new_hasher, short
+from eyas.dataset.table import TokenizedDataset
+from eyas.layer_ids import LAYER_ID_CONVENTION
+from eyas.shards.format import FORMAT_VERSION, SHARD_TENSOR_NAMES, ShardMeta, shard_filename
+from eyas.shards.manifest import ManifestRow
+
+ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# Unsigned and signed views, mask dropping the sign, smallest pattern with an all-ones exponent (inf;
+# above it NaN), and the sign bit.
+_NONFINITE = {
+    "F32": (np.uint32, np.int32, 0x7FFFFFFF, 0x7F800000, 0x80000000),
+    "BF16": (np.uint16, np.int16, 0x7FFF, 0x7F80, 0x8000),
+    "F16": (np.uint16, np.int16, 0x7FFF, 0x7C00, 0x8000),
+}
+HIDDEN_TENSORS = ("aux_hidden_states", "last_hidden_states")
+MAX_HEADER_BYTES = 100 << 20
+HEAD_READ_BYTES = 16 << 10
+FIX = "quarantine the shard (eyas.shards.shard_set.quarantine_shards) and re-run extraction"
+
+
+class Bad(Exception):
+    """One failed check; the message is the shard's reason."""
+
+
+@dataclass(frozen=True)
+class ExpectedShardMeta:
+    """What the run config says every shard's metadata must be."""
+
+    target_fingerprint: str
+    aux_layer_ids: tuple[int, ...]
+    hidden_size: int
+    num_aux: int
+    dtype: str
+    dataset_hash: str
+    layer_id_convention: str = LAYER_ID_CONVENTION
+
+
+@dataclass(frozen=True)
+class VerifyContext:
+    """What every shard is checked against, shared read-only by the worker threads."""
+
+    expected: ExpectedShardMeta
+    dataset: TokenizedDataset | None  # the token columns, read for full mode only
+    token_starts: np.ndarray  # [num_samples + 1]: first token of each sample, packed as extraction packs them
+    chunk_bytes: int
+
+
+class TensorSpan(NamedTuple):
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte positions in the file
+    end: int
+
+
+@dataclass
+class ShardState:
+    path: str
+    name: str
+    row: ManifestRow | None
+    ctx: VerifyContext
+    fd: int | None = None
+    size: int = 0
+    data_start: int = 0
+    raw_meta: dict | None = None
+    meta: ShardMeta | None = None
+    tensors: dict[str, TensorSpan] = field(default_factory=dict)
+    offsets: np.ndarray | None = None
+    nonfinite: str = ""  # set by check_checksum's pass, raised by check_finite
+
+    def read(self, span: TensorSpan, dtype: str) -> np.ndarray:
+        return self.read_pair(span, span, dtype)[0]
+
+    def read_pair(self, a: TensorSpan, b: TensorSpan, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """Two tensors, in one read when they are near each other (offsets and indices are adjacent)."""
+        lo, hi = min(a.start, b.start), max(a.end, b.end)
+        if hi - lo > (a.end - a.start) + (b.end - b.start) + HEAD_READ_BYTES:
+            return self.read(a, dtype), self.read(b, dtype)
+        data = os.pread(self.fd, hi - lo, lo)
+        if len(data) != hi - lo:
+            raise Bad(f"file ended inside tensor bytes {lo}..{hi} (truncated); {FIX}")
+        item = np.dtype(dtype).itemsize
+        return tuple(
+            np.frombuffer(data, dtype=dtype, count=(t.end - t.start) // item, offset=t.start - lo) for t in (a, b)
+        )
+
+    def sample_of(self, token: int) -> int:
+        return self.row.sample_start + int(np.searchsorted(self.offsets, token, side="right")) - 1
+
+
+def check_listed(s: ShardState) -> None:
+    if s.row is None:
+        s.size = os.stat(s.path).st_size
+        raise Bad(
+            "not in the manifest: an unfinished write (crash before its manifest row) or a foreign file; "
+            "the next extraction run rewrites it, or quarantine it"
+        )
+    try:
+        s.fd = os.open(s.path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise Bad(f"listed in the manifest but missing on disk; {FIX}") from None
+    s.size = os.fstat(s.fd).st_size
+
+
+def check_header(s: ShardState) -> None:
+    head = os.pread(s.fd, HEAD_READ_BYTES, 0)  # the header of a shard usually fits: one read
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if n < 2 or n > min(MAX_HEADER_BYTES, s.size - 8):
+        raise Bad(
+            f"safetensors header does not parse (header length {n}, file size {s.size} bytes): not a safetensors "
+            f"file, or truncated; {FIX}"
+        )
+    try:
+        header = json.loads(head[8 : 8 + n] if 8 + n <= len(head) else os.pread(s.fd, n, 8))
+        s.raw_meta = header.pop("__metadata__", None)
+        s.data_start = 8 + n
+        s.tensors = {
+            name: TensorSpan(
+                str(t["dtype"]), tuple(map(int, t["shape"])), *(s.data_start + int(o) for o in t["data_offsets"])
+            )
+            for name, t in header.items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise Bad(f"safetensors header does not parse ({type(e).__name__}: {e}); {FIX}") from e
+    try:
+        s.meta = ShardMeta.from_metadata(s.raw_meta, source="header")
+    except ValueError as e:
+        raise Bad(str(e)) from e
+    if s.meta.format_version != FORMAT_VERSION:
+        raise Bad(f"format_version {s.meta.format_version!r}, expected {FORMAT_VERSION!r}; {FIX}")
+
+
+def check_identity(s: ShardState) -> None:
+    """The file holds the shard its name and manifest row say (catches swapped or renamed files)."""
+    m, r = s.meta, s.row
+    if (m.shard_index, m.sample_start, m.sample_end) != (r.shard_index, r.sample_start, r.sample_end) or (
+        s.name != shard_filename(m.shard_index)
+    ):
+        raise Bad(
+            f"the file holds shard {m.shard_index} (samples {m.sample_start}..{m.sample_end}), but its name and "
+            f"the manifest say shard {r.shard_index} (samples {r.sample_start}..{r.sample_end}): files swapped "
+            f"or renamed; {FIX}"
+        )
+
+
+def check_size(s: ShardState) -> None:
+    if s.size != s.row.num_bytes:
+        raise Bad(f"file has {s.size} bytes, the manifest says {s.row.num_bytes} (truncated or overwritten); {FIX}")
+
+
+def check_metadata(s: ShardState) -> None:
+    m, e = s.meta, s.ctx.expected
+    diffs = [
+        f"{name} {found!r}, expected {want!r}"
+        for name, found, want in [
+            ("target_fingerprint", m.target_fingerprint, e.target_fingerprint),
+            ("aux_layer_ids", list(m.aux_layer_ids), list(e.aux_layer_ids)),
+            ("layer_id_convention", m.layer_id_convention, e.layer_id_convention),
+            ("hidden_size", m.hidden_size, e.hidden_size),
+            ("num_aux", m.num_aux, e.num_aux),
+            ("dtype", m.dtype, e.dtype),
+            ("dataset_hash", m.dataset_hash, e.dataset_hash),
+        ]
+        if found != want
+    ]
+    if diffs:
+        raise Bad(
+            f"metadata disagrees with the run config: {'; '.join(diffs)} "
+            f"(extracted with another target, layer ids or dataset); {FIX}"
+        )
+
+
+def _expected_layout(s: ShardState) -> dict[str, tuple[str, tuple[int, ...]]]:
+    m, t, n = s.meta, s.row.num_tokens, s.row.sample_end - s.row.sample_start
+    hidden = ST_DTYPES.get(m.dtype, m.dtype)
+    return {
+        "input_ids": ("I64", (t,)),
+        "loss_mask": ("U8", (t,)),
+        "aux_hidden_states": (hidden, (t, m.num_aux * m.hidden_size)),
+        "last_hidden_states": (hidden, (t, m.hidden_size)),
+        "sample_offsets": ("I64", (n + 1,)),
+        "sample_indices": ("I64", (n,)),
+    }
+
+
+def check_layout(s: ShardState) -> None:
+    missing = sorted(set(SHARD_TENSOR_NAMES) - set(s.tensors))
+    unexpected = sorted(set(s.tensors) - set(SHARD_TENSOR_NAMES))
+    if missing or unexpected:
+        raise Bad(f"tensors missing {missing}, unexpected {unexpected}; expected {sorted(SHARD_TENSOR_NAMES)}; {FIX}")
+    m = s.meta
+    for name, (dtype, shape) in _expected_layout(s).items():
+        span = s.tensors[name]
+        if span.dtype != dtype:
+            raise Bad(f"{name} dtype {span.dtype}, expected {dtype} (metadata dtype {m.dtype}); {FIX}")
+        if name == "aux_hidden_states" and span.shape[1:] != shape[1:]:
+            width = span.shape[1] if len(span.shape) == 2 else list(span.shape[1:])
+            raise Bad(
+                f"aux_hidden_states width {width}, expected {shape[1]} ({m.num_aux} layers x "
+                f"{m.hidden_size}); the backend did not return the aux layers' states "
+                f"(see eyas.extract.backends.base.check_aux_width for causes); {FIX}"
+            )
+        if span.shape != shape:
+            raise Bad(
+                f"{name} shape {list(span.shape)}, expected {list(shape)} ({s.row.num_tokens} tokens, "
+                f"{s.row.sample_end - s.row.sample_start} samples, H={m.hidden_size}); {FIX}"
+            )
+        if span.end - span.start != math.prod(shape) * ST_ITEMSIZE[dtype] or span.end > s.size:
+            raise Bad(
+                f"{name} occupies bytes {span.start}..{span.end} of {s.size}, expected {math.prod(shape)} "
+                f"{dtype} values inside the file; the header is corrupt; {FIX}"
+            )
+
+
+def check_offsets(s: ShardState) -> None:
+    r, starts = s.row, s.ctx.token_starts
+    if r.sample_end >= len(starts):
+        raise Bad(
+            f"the manifest says samples {r.sample_start}..{r.sample_end}, the tokenized dataset has "
+            f"{len(starts) - 1}; the shards belong to another dataset; {FIX}"
+        )
+    offsets, indices = s.read_pair(s.tensors["sample_offsets"], s.tensors["sample_indices"], "<i8")
+    want = starts[r.sample_start : r.sample_end + 1] - starts[r.sample_start]
+    if offsets.tobytes() != want.tobytes():  # both little-endian int64; bytes compare fast for tiny arrays
+        _explain_offsets(offsets, want, r)
+    if indices.tobytes() != np.arange(r.sample_start, r.sample_end, dtype="<i8").tobytes():
+        raise Bad(f"sample_indices {indices.tolist()[:8]}..., expected {r.sample_start}..{r.sample_end - 1}; {FIX}")
+    s.offsets = offsets
+
+
+def _explain_offsets(offsets: np.ndarray, want: np.ndarray, r: ManifestRow) -> None:
+    t = r.num_tokens
+    if offsets[0] != 0 or offsets[-1] != t or not bool((offsets[1:] > offsets[:-1]).all()):
+        raise Bad(
+            f"sample_offsets {offsets.tolist()[:8]}{'...' if len(offsets) > 8 else ''} do not add up: expected "
+            f"strictly increasing from 0 to the shard's {t} tokens; {FIX}"
+        )
+    lengths, want = np.diff(offsets), np.diff(want)
+    i = int(np.flatnonzero(lengths != want)[0])
+    raise Bad(
+        f"sample_offsets do not add up: sample {r.sample_start + i} spans {int(lengths[i])} tokens, the "
+        f"tokenized dataset has {int(want[i])}; {FIX}"
+    )
+
+
+_buffers = threading.local()
+
+
+def _chunk_buffer(nbytes: int) -> memoryview:
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) != nbytes:
+        _buffers.buf = buf = bytearray(nbytes)
+    return memoryview(buf)
+
+
+def _regions(s: ShardState) -> list[tuple[int, int, str | None]]:
+    """(start, end, tensor name or None) covering every byte of the file in order."""
+    out, pos = [], 0
+    for name, span in sorted(s.tensors.items(), key=lambda kv: kv[1].start):
+        if span.start > pos:
+            out.append((pos, span.start, None))
+        out.append((span.start, span.end, name if name in HIDDEN_TENSORS else None))
+        pos = max(pos, span.end)
+    if pos < s.size:
+        out.append((pos, s.size, None))
+    return out
+
+
+def _first_nonfinite(chunk: memoryview, dtype: str) -> int:
+    """Index of the first NaN/inf value in `chunk`, or -1 (integer tests on the exponent bits).
+
+    The usual case (all finite) costs two max-reductions and no allocation: as unsigned integers the
+    negative NaN/-inf patterns are the largest of all, as signed integers the positive NaN/+inf ones are.
+    """
+    utype, stype, mask, inf, sign = _NONFINITE[dtype]
+    bits = np.frombuffer(chunk, dtype=utype)
+    if bits.max(initial=0) < (inf | sign) and bits.view(stype).max(initial=0) < inf:
+        return -1
+    return int(np.flatnonzero((bits & utype(mask)) >= inf)[0])
+
+
+def check_checksum(s: ShardState) -> None:
+    """One pass over every byte: the checksum against the manifest, and the first non-finite hidden value."""
+    h, buf = new_hasher(), _chunk_buffer(s.ctx.chunk_bytes)
+    for start, end, name in _regions(s):
+        span = s.tensors.get(name) if name else None
+        item = ST_ITEMSIZE.get(span.dtype, 1) if span else 1
+        step = max(item, len(buf) // item * item)
+        for pos in range(start, end, step):
+            n = os.preadv(s.fd, [buf[: min(step, end - pos)]], pos)
+            if n != min(step, end - pos):
+                raise Bad(f"file ended at byte {pos + n}, expected {s.size} bytes (truncated while reading); {FIX}")
+            h.update(buf[:n])
+            if span is not None and span.dtype in _NONFINITE and not s.nonfinite:
+                i = _first_nonfinite(buf[:n], span.dtype)
+                if i >= 0:
+                    token = ((pos - span.start) // item + i) // span.shape[1]
+                    s.nonfinite = f"{name} has non-finite values (first at token {token}, sample {s.sample_of(token)})"
+    digest = format_digest(h)
+    if digest != s.row.checksum:
+        raise Bad(
+            f"checksum mismatch: {short(digest)}, the manifest says {short(s.row.checksum)} "
+            f"(bytes changed after writing: disk or copy corruption); {FIX}"
+        )
+
+
+def check_finite(s: ShardState) -> None:
+    if s.nonfinite:
+        raise Bad(
+            f"{s.nonfinite}; the target produced NaN/inf (float16 overflow? extract in bfloat16 or float32); {FIX}"
+        )
+
+
+def check_dataset(s: ShardState) -> None:
+    r = s.row
+    ids, mask = s.ctx.dataset.tokens(r.sample_start, r.sample_end)
+    for name, want, dtype in (("input_ids", ids.numpy(), "<i8"), ("loss_mask", mask.numpy(), "u1")):
+        found = s.read(s.tensors[name], dtype)
+        if not np.array_equal(found, want):
+            token = int(np.flatnonzero(found != want)[0])
+            raise Bad(
+                f"{name} differs from the tokenized dataset at token {token} (sample {s.sample_of(token)}): shard "
+                f"has {int(found[token])}, dataset has {int(want[token])}; the shard was extracted from "
+                f"another dataset or for other samples; {FIX}"
+            )
+
+
+CHEAP_CHECKS = [
+    ("listed", check_listed),
+    ("header", check_header),
+    ("identity", check_identity),
+    ("size", check_size),
+    ("metadata", check_metadata),
+    ("layout", check_layout),
+    ("offsets", check_offsets),
+]
+FULL_CHECKS = [*CHEAP_CHECKS, ("checksum", check_checksum), ("finite", check_finite), ("dataset", check_dataset)]

@@ -1,0 +1,201 @@
+"""Verification of hidden-state shards against their manifest, the run config and the dataset.
+
+    report = verify_run(config, facts)           # the stage entry: verify RUN/shards, write the report
+    report = verify_shards(shards_dir=..., tokenized_path=..., expected=expected_shard_meta(facts, "float32"))
+    notes = quarantine_run(config, facts, report)
+    raise_if_bad(report)
+
+Cheap mode reads headers, metadata, sizes, offsets and the manifest; full mode also reads every byte
+once (checksum and finiteness in the same streamed pass, see eyas.verify.checks) and compares
+`input_ids` and `loss_mask` with the tokenized dataset. Shards are checked in parallel threads
+(hashlib, numpy and file reads release the GIL). Each shard stops at its first failing check, which
+becomes its reason (eyas.verify.report). Quarantine moves bad shards aside with their reasons; the
+next extraction run re-extracts them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+
+from eyas.config import RunConfig
+from eyas.dataset.table import TokenizedDataset, read_dataset_hash, sample_lengths
+from eyas.facts import RunFacts
+from eyas.shards.format import SHARD_NAME_RE, shard_files
+from eyas.shards.manifest import ManifestRow, coverage_problems, drop_manifest_rows, read_manifest
+from eyas.shards.shard_set import quarantine_shards
+from eyas.verify.checks import CHEAP_CHECKS, FIX, FULL_CHECKS, Bad, ExpectedShardMeta, ShardState, VerifyContext
+from eyas.verify.report import ShardReportRow, VerifyReport, failed_check, write_verify_report
+
+DEFAULT_CHUNK_BYTES = 512 << 10  # fits a core's L2 cache: read once from memory, then hashed and tested in cache
+
+
+class ShardVerificationError(RuntimeError):
+    """Some shards failed verification; `.report` holds every row."""
+
+    def __init__(self, message: str, report: VerifyReport):
+        super().__init__(message)
+        self.report = report
+
+
+def expected_shard_meta(facts: RunFacts, dtype: str) -> ExpectedShardMeta:
+    """What every shard's metadata must say: from the run's facts (target files, configured layer ids, dataset)
+    and the configured hidden-state dtype, not from the shards."""
+    return ExpectedShardMeta(
+        target_fingerprint=facts.target.fingerprint,
+        aux_layer_ids=tuple(facts.aux_layer_ids),
+        hidden_size=facts.hidden_size,
+        num_aux=facts.num_aux,
+        dtype=dtype,
+        dataset_hash=facts.dataset_hash,
+    )
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("cheap", "full"):
+        raise ValueError(f"verify mode {mode!r}: expected 'cheap' or 'full'")
+
+
+def verify_shard(path: str | Path, *, row: ManifestRow | None, ctx: VerifyContext, mode: str) -> ShardReportRow:
+    """Run the mode's checks on one shard file, stopping at the first failure."""
+    t0, path = time.perf_counter(), os.fspath(path)
+    s = ShardState(path=path, name=os.path.basename(path), row=row, ctx=ctx)
+    passed, reason = [], ""
+    try:
+        for name, check in FULL_CHECKS if mode == "full" else CHEAP_CHECKS:
+            check(s)
+            passed.append(name)
+    except Bad as e:
+        reason = f"{s.name}: {e}"
+    except OSError as e:  # a read that fails (EIO, permissions) is this shard's fault, not the run's
+        reason = f"{s.name}: reading it failed ({e}); check the disk, then {FIX}"
+    finally:
+        if s.fd is not None:
+            os.close(s.fd)
+    match = SHARD_NAME_RE.match(s.name)
+    return ShardReportRow(
+        shard=row.shard_index if row else int(match.group(1)) if match else -1,
+        file=s.name,
+        status="bad" if reason else "ok",
+        checks_passed=passed,
+        reason=reason,
+        num_tokens=row.num_tokens if row else 0,
+        num_bytes=s.size,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def verify_shards(
+    *,
+    shards_dir: str | Path,
+    tokenized_path: str | Path,
+    expected: ExpectedShardMeta,
+    mode: Literal["cheap", "full"] = "full",
+    num_workers: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: Callable[[dict], None] | None = None,
+) -> VerifyReport:
+    """Verify every manifest row and every shard file in `shards_dir` on `num_workers` threads
+    (0 = one per core), reading at most `chunk_bytes` per thread at a time; never raises for bad shards."""
+    _check_mode(mode)
+    if num_workers < 0 or chunk_bytes < 1 << 12:
+        raise ValueError(f"verify_shards: num_workers={num_workers} must be >= 0 and chunk_bytes={chunk_bytes} >= 4096")
+    t0, shards_dir = time.perf_counter(), Path(shards_dir)
+    if not shards_dir.is_dir():
+        raise FileNotFoundError(f"shards dir {shards_dir}: no such directory; run extraction first")
+    tokenized_path = Path(tokenized_path)
+    if not tokenized_path.is_file():
+        raise FileNotFoundError(f"tokenized dataset {tokenized_path}: no such file; run the dataset stage first")
+    lengths = sample_lengths(tokenized_path)  # cheap mode needs only these; full mode compares every token
+    dataset = TokenizedDataset(tokenized_path) if mode == "full" else None
+    token_starts = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
+    ctx = VerifyContext(expected, dataset, token_starts, chunk_bytes)
+    manifest = read_manifest(shards_dir)
+    by_file = {r.file: r for r in manifest}
+    files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
+
+    def batch(names: list[str]) -> list[ShardReportRow]:
+        return [verify_shard(os.path.join(root, n), row=by_file.get(n), ctx=ctx, mode=mode) for n in names]
+
+    root, workers = str(shards_dir), num_workers or os.cpu_count() or 1
+    # contiguous batches, several per thread: few hand-offs for tiny shards, balanced for big ones
+    size = max(1, min(64, len(files) // (4 * workers)))
+    rows: list[ShardReportRow] = []
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+        for done in pool.map(batch, [files[i : i + size] for i in range(0, len(files), size)]):
+            rows += done
+            if progress is not None:
+                progress({"shards_done": len(rows), "shards_total": len(files), "bad": len(rows) - _num_ok(rows)})
+    problems = coverage_problems(manifest, len(lengths), where=str(shards_dir))
+    dataset_hash = read_dataset_hash(tokenized_path)
+    if dataset_hash != expected.dataset_hash:
+        problems.append(
+            f"tokenized dataset {tokenized_path}: content hash {dataset_hash!r}, expected "
+            f"{expected.dataset_hash!r}; verify against the dataset the run extracted from"
+        )
+    return VerifyReport(mode=mode, rows=rows, problems=problems, seconds=time.perf_counter() - t0)
+
+
+def _num_ok(rows: list[ShardReportRow]) -> int:
+    return sum(r.status == "ok" for r in rows)
+
+
+def quarantine_bad_shards(shards_dir: str | Path, report: VerifyReport) -> list[Path]:
+    """Move every bad shard of the report into `quarantine/` beside a `.reason.txt` holding its reason,
+    and drop its manifest row, so that the next extraction run re-extracts it. Returns the reason files.
+
+    Refuses when every shard's metadata disagrees with the run config: then the config (or the
+    directory) is wrong, not the shards, and re-extracting everything would not be a repair."""
+    bad = [r for r in report.rows if r.status != "ok"]
+    if len(bad) > 1 and len(bad) == len(report.rows) and all(failed_check(r) == "metadata" for r in bad):
+        raise ShardVerificationError(
+            f"{shards_dir}: all {len(bad)} shards' metadata disagree with the run config (first: {bad[0].reason}); "
+            f"not quarantining: the config changed since extraction or points at another run's shards; fix the "
+            f"config, or use a new shards_dir",
+            report,
+        )
+    return quarantine_shards(Path(shards_dir), report.bad_reasons)
+
+
+def raise_if_bad(report: VerifyReport, *, heal_rounds: int | None = None) -> None:
+    """Raise ShardVerificationError listing every bad shard and every directory-level problem."""
+    if report.ok:
+        return
+    bad = [r for r in report.rows if r.status != "ok"]
+    lines = [r.reason for r in bad] + report.problems
+    after = "" if heal_rounds is None else f" after {heal_rounds} healing round{'s' * (heal_rounds != 1)}"
+    raise ShardVerificationError(
+        f"shard verification ({report.mode}) failed{after}: {len(bad)} of {len(report.rows)} shards bad, "
+        f"{len(report.problems)} directory problems:\n  " + "\n  ".join(lines),
+        report,
+    )
+
+
+def verify_run(config: RunConfig, facts: RunFacts, *, progress: Callable[[dict], None] | None = None) -> VerifyReport:
+    """The stage entry: verify the run's local shards in the configured mode and write its report."""
+    v = config.verify
+    report = verify_shards(
+        shards_dir=facts.shards_dir,
+        tokenized_path=facts.tokenized_path,
+        expected=expected_shard_meta(facts, config.extract.dtype),
+        mode=v.mode,
+        num_workers=v.num_workers,
+        chunk_bytes=v.chunk_bytes,
+        progress=progress,
+    )
+    write_verify_report(report, config.paths.verify_report)
+    return report
+
+
+def quarantine_run(config: RunConfig, facts: RunFacts, report: VerifyReport) -> list[Path]:
+    """Quarantine the report's bad shards; when extraction writes elsewhere (S3), drop their rows there too, so
+    that the next extraction writes them again. Returns the reason files."""
+    notes = quarantine_bad_shards(facts.shards_dir, report)
+    if config.extract.storage_url:  # the local copy is set aside; the source must re-extract them too
+        drop_manifest_rows(facts.storage(), sorted(report.bad_reasons))
+    return notes

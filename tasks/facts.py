@@ -1,0 +1,18 @@
+"""The task that resolves a run's facts once, for the flows to hand to every later stage."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from eyas.config import RunConfig
+from eyas.facts import RunFacts, resolve_facts
+from tasks.retry import TRANSIENT_IO
+
+
+# Not cached: a few small reads (config.json, weight headers, the table's footer and one column), and the
+# facts must follow the files. Storage errors retried.
+@task(name="resolve-run-facts", cache_policy=NO_CACHE, **TRANSIENT_IO)
+def resolve_run_facts(config: RunConfig) -> RunFacts:
+    """The target's shape and fingerprint, the aux layer ids, the dataset's hash and size, where shards go."""
+    return resolve_facts(config)

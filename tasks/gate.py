@@ -1,0 +1,190 @@
+"""The approval gate: the run waits with a typed form until a person approves or rejects training.
+
+Answer it from the Prefect UI (run page -> Resume), from the CLI (`eyas approve RUN_ID [--reject]
+[--note ...]`) or through the API (`resume_flow_run(id, run_input={...})`). The server checks the
+answer against the form's JSON schema and refuses a bad one; the run keeps waiting.
+
+- A run of a deployment SUSPENDS: its process exits and holds no GPU while it waits; once answered,
+  the worker runs the flow again from the top, the stages before the gate come back from cache
+  (tasks/caching.py) and the gate returns the stored answer. A run started in-process (`eyas run`,
+  tests) PAUSES: its process waits.
+- Reject: the run fails with the reviewer and the note in its state message; nothing is trained.
+  Timeout (approval.timeout_s): a paused run fails with the reason in its state message; a
+  suspended one is failed by the Prefect server ("The flow was paused and never resumed.").
+- Every decision is a markdown artifact `approval-decision` (who, when, note, overrides, config
+  fingerprint). An approval is recorded in the workdir (eyas.gate.approval): re-running the same
+  configuration does not ask again; a changed one does.
+- Overrides (`num_epochs`, `lr` of the training run) are offered only to callers that apply them;
+  one that would not change the training run (eyas.gate.approval.ignored_overrides) is refused and the
+  gate asks again, showing why.
+"""
+
+from datetime import datetime, timezone
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
+from prefect.exceptions import FlowPauseTimeout
+from prefect.flow_runs import pause_flow_run, suspend_flow_run
+from prefect.input import RunInput
+from prefect.states import Failed
+from pydantic import ConfigDict, Field
+
+from eyas.config import RunConfig
+from eyas.dataset.table import tokenized_num_samples
+from eyas.facts import RunFacts
+from eyas.gate.approval import OVERRIDABLE, gate_fingerprint, ignored_overrides, read_approval, write_approval
+from eyas.gate.summary import gate_summary as summary_markdown
+from eyas.markdown import table
+
+MAX_ASKS = 3  # answers with refused overrides before the gate gives up
+
+
+class TrainingApproval(RunInput):
+    # extra="forbid": the server refuses unknown fields (JSON schema additionalProperties: false)
+    model_config = ConfigDict(extra="forbid")
+
+    approve: bool = Field(default=False, description="tick to start the training run; leave unticked to reject")
+    reviewer: str = Field(min_length=1, description="who decides")
+    note: str = Field(default="", description="why (shown in the decision artifact)")
+
+    def overrides(self) -> dict:
+        """The training overrides given (none on this form)."""
+        return {name: getattr(self, name) for name in OVERRIDABLE if getattr(self, name, None) is not None}
+
+
+class TrainingApprovalWithOverrides(TrainingApproval):
+    num_epochs: int | None = Field(
+        default=None, ge=1, description="train.num_epochs for this run; empty = as configured"
+    )
+    lr: float | None = Field(
+        default=None, gt=0, description="train.lr (AdamW peak) for this run; empty = as configured"
+    )
+
+
+class TrainingRejected(RuntimeError):
+    """A person rejected the training run at the approval gate, or nobody answered in time."""
+
+
+# Formatting of its inputs: cheap, not cached, nothing to retry.
+@task(name="gate-summary", cache_policy=NO_CACHE)
+def gate_summary(config: RunConfig, facts: RunFacts, dataset: dict, verified: dict, smoke: dict, devices: dict) -> str:
+    """The Markdown a reviewer sees above the approval form."""
+    return summary_markdown(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
+
+
+def approval_gate(
+    config: RunConfig, summary_md: str, *, num_samples: int | None = None, accept_overrides: bool = False
+) -> TrainingApproval:
+    """Wait until answered; returns the approval or raises TrainingRejected (training never starts). Called in a
+    flow run (not a task): the pause or suspension is the flow run's.
+
+    num_samples: the training samples, against which an override of num_epochs is checked (None: counted from the
+    tokenized table when one is given). accept_overrides: the
+    caller applies `answer.overrides()` to the training run (eyas.gate.approval.apply_overrides)."""
+    form = TrainingApprovalWithOverrides if accept_overrides else TrainingApproval
+    record = read_approval(config)
+    if record is not None and (accept_overrides or not record.get("overrides")):
+        print(f"approval already given by {record['reviewer']} at {record['decided_at']} for this configuration")
+        decision_artifact(record, reused=True)
+        return form(**{k: record[k] for k in ("approve", "reviewer", "note")}, **record.get("overrides", {}))
+    form_md = summary_md + (overrides_help(config) if accept_overrides else "")
+    description = form_md
+    for ask in range(1, MAX_ASKS + 1):
+        answer = wait_for_answer(config, form.with_initial_data(description=description), key=f"approval-gate-{ask}")
+        problems = refused_overrides(config, answer, num_samples)
+        if not problems:
+            break
+        decision_artifact(decision_record(config, answer, refused=problems))
+        refusal = "\n".join(f"- {p}" for p in problems)
+        print(f"overrides refused, asking again:\n{refusal}")
+        description = f"# Overrides refused\n\n{refusal}\n\nAnswer again.\n\n{form_md}"
+    else:
+        raise TrainingRejected(
+            f"approval gate: overrides refused {MAX_ASKS} times ({problems[0]}); nothing was trained"
+        )
+    record = decision_record(config, answer)
+    decision_artifact(record)
+    if not answer.approve:
+        raise TrainingRejected(
+            f"training rejected by {answer.reviewer}: {answer.note or 'no note'}; nothing was trained"
+        )
+    write_approval(config, record)
+    return answer
+
+
+def wait_for_answer(config: RunConfig, form: type[TrainingApproval], key: str) -> TrainingApproval:
+    """Suspend a deployment's top-level run (no process held), pause any other run; returns the answer."""
+    run = FlowRunContext.get().flow_run
+    timeout_s = config.approval.timeout_s
+    print("waiting for approval: answer in the UI (Resume), or `eyas approve <flow-run-id> [--reject]`")
+    if run.deployment_id is not None and run.parent_task_run_id is None:
+        return suspend_flow_run(wait_for_input=form, timeout=timeout_s, key=key)
+    try:
+        return pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=2, key=key)
+    except FlowPauseTimeout:
+        reason = f"approval gate: nobody answered within approval.timeout_s={timeout_s} s; nothing was trained"
+        decision_artifact({"decision": "timed out", "config_fingerprint": gate_fingerprint(config), "note": reason})
+        # Once the pause has expired the server turns any state the flow proposes into its own
+        # "The flow was paused and never resumed.": set the reason first (forced), then fail with it.
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run.id, Failed(message=reason), force=True)
+        raise TrainingRejected(reason) from None
+
+
+def refused_overrides(config: RunConfig, answer: TrainingApproval, num_samples: int | None) -> list[str]:
+    overrides = answer.overrides()
+    if not answer.approve or not overrides:
+        return []
+    if num_samples is None:
+        num_samples = tokenized_num_samples(config.paths.tokenized) if "num_epochs" in overrides else 0
+    return ignored_overrides(config, overrides, num_samples=num_samples)
+
+
+def overrides_help(config: RunConfig) -> str:
+    current = ", ".join(f"`train.{name}` = {getattr(config.train, name)}" for name in OVERRIDABLE)
+    return f"\n\n## Overrides\n\nOptional, for this training run only (leave empty to keep): {current}."
+
+
+def decision_record(config: RunConfig, answer: TrainingApproval, refused: list[str] | None = None) -> dict:
+    decision = "overrides refused" if refused else ("approved" if answer.approve else "rejected")
+    return {
+        **answer.model_dump(include={"approve", "reviewer", "note"}),
+        "decision": decision,
+        "overrides": answer.overrides(),
+        "refused": refused or [],
+        "config_fingerprint": gate_fingerprint(config),
+        "decided_at": answered_at(answer),
+        "flow_run_id": str(FlowRunContext.get().flow_run.id),
+    }
+
+
+def answered_at(answer: TrainingApproval) -> str:
+    """When the server received the answer (a run resumed from a suspension processes it later)."""
+    run_id, key = FlowRunContext.get().flow_run.id, answer.metadata.key
+    with get_client(sync_client=True) as client:
+        stored = [i for i in client.filter_flow_run_input(run_id, key, limit=1, exclude_keys=set()) if i.key == key]
+    when = stored[0].created if stored and stored[0].created else datetime.now(timezone.utc)
+    return when.astimezone(timezone.utc).isoformat(timespec="seconds")
+
+
+def decision_artifact(record: dict, reused: bool = False) -> None:
+    decision = record.get("decision", "approved")
+    title = f"Training {decision}" + (" (an earlier approval of this configuration)" if reused else "")
+    overrides = ", ".join(f"train.{k} = {v}" for k, v in record.get("overrides", {}).items()) or "-"
+    rows = [
+        ("decision", decision),
+        ("reviewer", record.get("reviewer", "-")),
+        ("decided at", record.get("decided_at", datetime.now(timezone.utc).isoformat(timespec="seconds"))),
+        ("note", record.get("note") or "-"),
+        ("overrides", overrides),
+        ("config fingerprint", f"`{record['config_fingerprint']}`"),
+    ]
+    rows += [("refused", problem) for problem in record.get("refused", [])]
+    create_markdown_artifact(
+        key="approval-decision",
+        markdown=f"## {title}\n\n{table(['', ''], [list(r) for r in rows])}\n",
+        description="approval gate decision",
+    )

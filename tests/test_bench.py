@@ -272,11 +272,11 @@ def test_bench_config_refuses_draft_tokens_that_do_not_fit_the_shape():
 
     from eyas.config import BenchConfig
 
-    assert BenchConfig(prompts_path="p", steps=3).draft_tokens == 4
-    assert BenchConfig(prompts_path="p", steps=3, topk=4, num_draft_tokens=8).draft_tokens == 8
+    assert BenchConfig(prompts_path="p", num_steps=3).draft_tokens == 4
+    assert BenchConfig(prompts_path="p", num_steps=3, topk=4, num_draft_tokens=8).draft_tokens == 8
     with pytest.raises(
-        ValidationError, match=r"bench.num_draft_tokens=6 with bench.topk=1 .* expected 0 or steps \+ 1 = 4"
+        ValidationError, match=r"bench.num_draft_tokens=6 with bench.topk=1 .* expected 0 or num_steps \+ 1 = 4"
     ):
-        BenchConfig(prompts_path="p", steps=3, num_draft_tokens=6)
+        BenchConfig(prompts_path="p", num_steps=3, num_draft_tokens=6)
     with pytest.raises(ValidationError, match=r"bench.topk=2 \(a tree\) needs bench.num_draft_tokens >= 2"):
         BenchConfig(prompts_path="p", topk=2)

@@ -11,11 +11,12 @@ CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test install target bench clean-demo
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard kits/*.txt)
 	test -x $(CHROMIUM) || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python scripts/kits.py install
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,7 +10,15 @@ the prefix that the target has verified.
 
 State-dict keys (the eyas format): embed_tokens.weight, fc.weight, midlayer.{input_layernorm,
 hidden_norm, post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
-midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, and buffers d2t, t2d.
+midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, and buffers d2t, t2d; with the
+draft options (DRAFT_OPTIONS, all off in a plain EAGLE-3 draft) also input_norm.weight (norm_before_fc)
+and fc_norm.{i}.weight (fc_norm). The options, as speculators' Eagle3DraftModel runs them:
+- norm_before_fc: one RMSNorm over the concatenated n_aux*H aux input, before fc;
+- fc_norm: one RMSNorm per aux chunk of H, before fc (EAGLE 3.1);
+- norm_before_residual: the layer's residual is the normed hidden input instead of the raw one;
+- norm_output: the hidden state fed to the next unroll step is norm(h) instead of h (logits are
+  lm_head(norm(h)) either way).
+eyas trains none of them yet; they exist so that a foreign checkpoint that has them is run as trained.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eyas.draft_keys import DRAFT_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,14 @@ class DraftArch:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+
+    def options(self) -> tuple[str, ...]:
+        """The draft options this architecture turns on (DRAFT_OPTIONS order)."""
+        return tuple(name for name in DRAFT_OPTIONS if getattr(self, name))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,10 +156,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
+        self.norm_before_residual = a.norm_before_residual
 
     def forward(self, embeds, hidden, positions, cache, valid):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         hidden = residual + self.self_attn(x, positions, cache, valid)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -151,6 +171,10 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         a = self.arch = arch
         self.embed_tokens = nn.Embedding(a.target_vocab_size, a.hidden_size)
+        if a.norm_before_fc:
+            self.input_norm = RMSNorm(a.num_aux * a.hidden_size, a.rms_norm_eps)
+        if a.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(a.hidden_size, a.rms_norm_eps) for _ in range(a.num_aux))
         self.fc = nn.Linear(a.num_aux * a.hidden_size, a.hidden_size, bias=False)
         self.midlayer = DecoderLayer(a)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -170,14 +194,22 @@ class Eagle3Draft(nn.Module):
                 f"({self.arch.num_aux} layers x {self.arch.hidden_size}); the target did not return "
                 f"the aux hidden states of {self.arch.num_aux} layers concatenated"
             )
+        if self.arch.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.arch.fc_norm:
+            chunks = aux_hidden.chunk(self.arch.num_aux, dim=-1)
+            aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux_hidden)
 
     def step(self, input_ids, hidden, positions, cache, valid=None) -> torch.Tensor:
-        """One unroll step: returns the pre-norm output hidden [B,T,H] (next step's input)."""
-        return self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, valid)
+        """One unroll step: returns the output hidden [B,T,H] that the next step takes as input (pre-norm,
+        or normed with norm_output); `logits` of it are this step's draft logits."""
+        out = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, valid)
+        return self.norm(out) if self.arch.norm_output else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        """Draft logits of a step's output hidden (already normed with norm_output)."""
+        return self.lm_head(hidden if self.arch.norm_output else self.norm(hidden))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

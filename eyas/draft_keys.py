@@ -35,7 +35,22 @@ LAYER_KEYS = (
 TOP_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 
 
+def option_shapes(arch) -> Shapes:
+    """The tensors the draft options of `arch` add (same names in every format): input_norm.weight for
+    norm_before_fc, fc_norm.{i}.weight for fc_norm; norm_before_residual and norm_output add none."""
+    h, n = arch.hidden_size, arch.num_aux
+    shapes: Shapes = {}
+    if getattr(arch, "norm_before_fc", False):
+        shapes["input_norm.weight"] = (n * h,)
+    if getattr(arch, "fc_norm", False):
+        shapes.update({f"fc_norm.{i}.weight": (h,) for i in range(n)})
+    return shapes
+
+
 EYAS_LAYER_PREFIX = "midlayer."
+
+# Variants of the EAGLE-3 draft layer (eyas.draft says what each does); all off in a plain draft.
+DRAFT_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 class KeyCheckError(ValueError):
@@ -60,6 +75,7 @@ def expected_eyas_shapes(arch) -> Shapes:
     }
     return {
         "embed_tokens.weight": (arch.target_vocab_size, h),
+        **option_shapes(arch),
         "fc.weight": (h, arch.num_aux * h),
         **{f"{EYAS_LAYER_PREFIX}{k}": v for k, v in layer.items()},
         "norm.weight": (h,),

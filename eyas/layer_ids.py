@@ -59,7 +59,7 @@ LAYER_ID_CONVENTIONS: dict[str, LayerIdConvention] = {
         LayerIdConvention(
             "sglang_deepseek",
             0,
-            "SGLang DeepSeek/Kimi >= 0.5.14: adds 1 to every id only when the first id is 1",
+            "SGLang DeepSeek/Kimi/GLM-MoE-DSA >= 0.5.13: adds 1 to every id only when the first id is 1",
             shift_if_first=1,
         ),
         LayerIdConvention("specforge", -1, "SpecForge: the output of layer id, i.e. HF hidden_states[id + 1]"),
@@ -68,6 +68,35 @@ LAYER_ID_CONVENTIONS: dict[str, LayerIdConvention] = {
         LayerIdConvention("eagle_fixed", 0, "EAGLE official: fixed [2, N//2, N-3] in the target's code"),
     )
 }
+
+
+# SGLang target classes whose set_eagle3_layers_to_capture adds 1 to the configured ids only when the first one
+# is 1 (sglang/srt/models/deepseek_v2.py DeepseekV2ForCausalLM and its subclasses, glm4_moe_lite.py; Kimi-K2.5
+# delegates to its DeepseekV3 language model), from 0.5.13 on; every other target class adds 1 always.
+SGLANG_CONDITIONAL_TARGETS = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "KimiK25ForConditionalGeneration",
+)
+
+
+def sglang_convention(target_architectures: list[str] | None) -> str:
+    """The convention SGLang (>= 0.5.13) reads a draft's eagle_config ids in, for a target of these
+    architectures (its config.json `architectures`); Llama numbering when they are not known."""
+    if target_architectures and any(a in SGLANG_CONDITIONAL_TARGETS for a in target_architectures):
+        return "sglang_deepseek"
+    return "sglang_llama"
+
+
+def target_layout(config: dict) -> tuple[list[str], int | None]:
+    """(architectures, number of decoder layers) of a target's config.json (a multimodal wrapper's text model
+    counts: Kimi-K2.5 keeps it in text_config)."""
+    text = config.get("text_config") or {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    return list(config.get("architectures") or []), layers
 
 
 def _convention(name: str) -> LayerIdConvention:

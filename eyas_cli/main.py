@@ -5,8 +5,8 @@ Usage:
   eyas run CONFIG [--approve yes|no]     the whole pipeline for a preset (JSON RunConfig)
   eyas dataset|extract|verify|train|export|bench CONFIG    one stage
   eyas approve RUN_ID [--reject] [--note TEXT] [--reviewer NAME]
-  eyas inspect PATH [--num-target-layers N]     audit a drafter checkpoint (no Prefect, no torch)
-  eyas remap SRC DST --to FORMAT [--dtype D] [--embed-from F] [--num-target-layers N]
+  eyas inspect PATH [--target T] [--engine E]   audit a drafter checkpoint (no Prefect, no torch)
+  eyas remap SRC DST --to FORMAT [--sglang-version V] [--target T] [--dtype D] [--embed-from F]
   eyas stop TRAIN_DIR                    stop the trainer processes eyas started there (and only those)
   eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config or workdir)
 """
@@ -27,7 +27,7 @@ STAGES = ("dataset", "extract", "verify", "train", "export", "bench")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from eyas.export.keys import ENGINE_LOADS
+    from eyas.export.serving import ENGINES
 
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,9 +62,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     remap.add_argument("--to", required=True, help="eyas, sglang, sglang-0.5.12, vllm, speculators or eagle")
     remap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: keep the source's")
     remap.add_argument("--embed-from", help="safetensors file with the target's embed_tokens (formats that keep it)")
+    remap.add_argument(
+        "--sglang-version",
+        help="sglang formats: the oldest SGLang release the export must run on (decides the draft options it may carry)",
+    )
     for p in (inspect, remap):
         p.add_argument("--num-target-layers", type=int, help="the target's layer count (layer-id checks)")
-    inspect.add_argument("--engine", choices=sorted(ENGINE_LOADS), help="an engine version that must fill every tensor")
+        p.add_argument(
+            "--target", help="the target model's directory or config.json: its layer count and SGLang's numbering"
+        )
+    inspect.add_argument(
+        "--engine", choices=sorted(ENGINES), help="an engine version that must fill every tensor and run every option"
+    )
     return parser.parse_args(argv)
 
 
@@ -142,8 +151,10 @@ def run_remap(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             embed_from=args.embed_from,
             num_target_layers=args.num_target_layers,
+            sglang_version=args.sglang_version,
+            target=args.target,
         )
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         print(f"eyas remap: {err}", file=sys.stderr)
         return 1
     print(f"{args.src} -> {out} ({args.to}); key set and shapes checked")
@@ -196,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         from eyas.export.inspect import inspect_drafter
 
         try:
-            report = inspect_drafter(args.path, num_target_layers=args.num_target_layers, engine=args.engine)
+            report = inspect_drafter(
+                args.path, num_target_layers=args.num_target_layers, engine=args.engine, target=args.target
+            )
         except (OSError, ValueError) as err:
             print(f"eyas inspect: {err}", file=sys.stderr)
             return 2

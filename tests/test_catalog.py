@@ -14,7 +14,8 @@ import torch
 from draft_fixtures import write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from eyas.export.convert import ExportError, export_checkpoint
+from eyas.export.convert import export_checkpoint
+from eyas.export.drafter_dir import ExportError
 from eyas.export.inspect import inspect_drafter
 from eyas.export.remap import remap_checkpoint
 from eyas_cli.main import main
@@ -47,17 +48,17 @@ def why_lines(report):
     return [line for p in report.problems for line in p.splitlines() if line.startswith("  why: ")]
 
 
-def test_layers_0_keys_are_dropped_by_sglang_0_5_10(export, capsys):
+def test_layers_0_keys_are_dropped_by_sglang_0_5_11(export, capsys):
     edit_tensors(export, lambda t: t.update({k.replace("midlayer.", "layers.0."): t.pop(k) for k in list(t)}))
-    report = inspect_drafter(export, engine="sglang<=0.5.10")
+    report = inspect_drafter(export, engine="sglang<=0.5.11")
     assert why_lines(report) == [
-        "  why: SGLang <= 0.5.10 silently drops layers.0.* and runs the midlayer with random weights: "
+        "  why: SGLang <= 0.5.11 silently drops layers.0.* and runs the midlayer with random weights: "
         "rename them to midlayer.* (eyas remap --to sglang)",
         "  why: midlayer tensors are missing: the engine keeps their random init without a word "
         "(SGLang never reports unfilled parameters): re-export from the training checkpoint",
     ]
-    assert main(["inspect", str(export), "--engine", "sglang<=0.5.10"]) == 1
-    assert "loads completely in sglang<=0.5.10: NO" in capsys.readouterr().out
+    assert main(["inspect", str(export), "--engine", "sglang<=0.5.11"]) == 1
+    assert "loads completely in sglang<=0.5.11: NO" in capsys.readouterr().out
 
 
 def test_missing_d2t_with_a_smaller_draft_vocab(export):
@@ -131,8 +132,9 @@ def test_layer_ids_in_the_wrong_convention_against_the_target_layer_count(export
     (export / "eyas_export.json").unlink()
     edit_config(export, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 7]))
     assert inspect_drafter(export, num_target_layers=8).problems == [
-        "aux layer ids [2, 4, 7] (sglang_llama) are canonical [3, 5, 8]; [8] fall outside 1..7 for a 8-layer "
-        "target: the ids are in another convention or for another target"
+        "aux layer ids (canonical [3, 5, 8]): [8] fall outside 1..7, what sglang can capture of a 8-layer target "
+        "(N = the final state only for speculators): the ids are in another convention or for another target, or "
+        "the destination cannot serve them"
     ]
     edit_config(export, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
     assert inspect_drafter(export, num_target_layers=8).problems == [
@@ -145,11 +147,10 @@ def test_layer_ids_in_the_wrong_convention_against_the_target_layer_count(export
 def test_norm_options_the_engine_ignores(export):
     edit_config(export, lambda c: c.update(norm_before_residual=True))
     assert inspect_drafter(export).problems == [
-        "norm_before_residual=true: not implemented by eyas, SGLang (every version) or EAGLE; implemented by "
-        "speculators>=0.9, vllm; the draft was trained with a layer those engines do not run: convert it with its "
-        "own tools or retrain without the option"
+        "norm_before_residual: no SGLang version runs it (checked 0.5.10-0.5.23); SGLang would run the draft "
+        "without it, a layer it was not trained with: serve it with vLLM or speculators, or retrain without it"
     ]
-    with pytest.raises(ExportError, match=r"norm_before_residual=true: not implemented by eyas"):
+    with pytest.raises(ExportError, match=r"norm_before_residual: no SGLang version runs it"):
         remap_checkpoint(export, export.parent / "out", to="speculators")
 
 

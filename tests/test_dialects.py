@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 from draft_fixtures import ARCH
 
-from eyas.draft_keys import vocab_mapping_problems
-from eyas.export.configs import (
-    NORM_OPTIONS,
-    WRITTEN_NORM_OPTIONS,
-    ConfigError,
-    read_config,
-    write_config,
-)
+from eyas.draft import DraftArch
+from eyas.draft_keys import DRAFT_OPTIONS, vocab_mapping_problems
+from eyas.export.configs import WRITTEN_NORM_OPTIONS, ConfigError, read_config, write_config
 from eyas.export.keys import FORMATS
 
 IDS = [2, 16, 29]  # canonical, a 32-layer target
@@ -52,43 +47,64 @@ def test_norm_options_are_written_only_where_implemented():
         "sglang-0.5.12": (),
         "eagle": (),
         "vllm": ("norm_before_residual", "norm_before_fc"),
-        "speculators": ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"),
+        "speculators": ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"),
     }
     for fmt, options in WRITTEN_NORM_OPTIONS.items():
         if fmt == "eyas":
             continue
         config = write_config(fmt, ARCH, IDS, "float32")
-        assert {k: v for k, v in config.items() if k in NORM_OPTIONS} == dict.fromkeys(options, False), fmt
+        assert {k: v for k, v in config.items() if k in DRAFT_OPTIONS} == dict.fromkeys(options, False), fmt
+
+
+def test_options_are_written_where_the_destination_reads_them():
+    arch = DraftArch(**{**ARCH.to_dict(), "norm_before_fc": True, "fc_norm": True, "norm_output": True})
+    sglang = write_config("sglang", arch, IDS, "float32")
+    assert {k: sglang[k] for k in DRAFT_OPTIONS if k in sglang} == {
+        "norm_before_fc": True,
+        "fc_norm": True,
+        "norm_output": True,
+    }
+    spec = write_config("speculators", arch, IDS, "float32")
+    assert {k: spec[k] for k in DRAFT_OPTIONS} == {**dict.fromkeys(DRAFT_OPTIONS, True), "norm_before_residual": False}
+    for fmt in ("sglang", "speculators"):
+        info = read_config(fmt, write_config(fmt, arch, IDS, "float32"))
+        assert DraftArch(**info.arch) == arch and info.problems == [], fmt
 
 
 def test_speculators_config_is_pinned():
     config = write_config("speculators", ARCH, IDS, "bfloat16")
-    assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
+    assert config["architectures"] == ["Eagle3DraftModel"] and config["speculators_model_type"] == "eagle3"
+    assert config["dtype"] == "bfloat16" and "use_aux_hidden_state" not in config
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 2048
     assert "draft_vocab_size" not in layer and config["target_hidden_size"] == 64
     assert config["speculators_config"]["algorithm"] == "eagle3"
 
 
-def test_a_norm_option_turned_on_is_refused_with_the_engines_that_implement_it():
-    config = {**write_config("speculators", ARCH, IDS, "float32"), "norm_before_fc": True}
-    assert read_config("speculators", config).problems == [
-        "norm_before_fc=true: not implemented by eyas, SGLang (every version) or EAGLE; implemented by "
-        "speculators>=0.9, vllm; the draft was trained with a layer those engines do not run: convert it with its "
-        "own tools or retrain without the option"
+def test_an_option_no_engine_of_the_format_runs_is_a_problem():
+    config = {**write_config("sglang", ARCH, IDS, "float32"), "norm_before_residual": True}
+    assert read_config("sglang", config).problems == [
+        "norm_before_residual: no SGLang version runs it (checked 0.5.10-0.5.23); SGLang would run the draft "
+        "without it, a layer it was not trained with: serve it with vLLM or speculators, or retrain without it"
     ]
+    config = {**write_config("vllm", ARCH, IDS, "float32"), "norm_before_fc": True}
+    assert read_config("vllm", config).problems == [
+        "norm_before_fc: vllm does not run it (the flag is ignored or the tensor refused and the draft runs a "
+        "layer it was not trained with); served by sglang>=0.5.17, speculators>=0.9: export to one of those"
+    ]
+    config = {**write_config("speculators", ARCH, IDS, "float32"), "norm_before_fc": True}
+    info = read_config("speculators", config)
+    assert info.problems == [] and info.arch["norm_before_fc"] is True
 
 
 def test_sliding_window_layers_are_refused():
     config = write_config("speculators", ARCH, IDS, "float32")
     config["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=4096)
-    assert (
-        read_config("speculators", config)
-        .problems[0]
-        .startswith(
-            "sliding_window=4096: not implemented by eyas, SGLang (every version) or EAGLE; implemented by speculators>=0.9;"
-        )
-    )
+    assert read_config("speculators", config).problems == [
+        "sliding_window=4096: the draft layer attends to a window; eyas's reference engine runs full attention "
+        "and SGLang takes a draft window only from its --speculative-draft-window-size server argument, not from "
+        "config.json: serve it with its own tools or retrain with full attention"
+    ]
 
 
 def test_a_config_without_llama_fields_is_refused():

@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from eyas.dataset.vocab import VocabMappingError
 from eyas.draft import DraftArch, build_draft
 from eyas.draft_keys import KeyCheckError
-from eyas.export.convert import ExportError, export_sglang, load_exported_draft, read_checkpoint, read_export_provenance
+from eyas.export.convert import export_sglang
+from eyas.export.drafter_dir import ExportError, read_export_provenance
 from eyas.export.keys import expected_shapes
-from eyas.train.checkpoint import CheckpointError
+from eyas.export.reader import load_exported_draft
+from eyas.train.checkpoint import CheckpointError, read_checkpoint
 
 
 @pytest.fixture
@@ -163,7 +165,7 @@ def test_load_refuses_missing_and_unexpected_keys(ckpt, tmp_path):
         load_exported_draft(out, torch.zeros(2048, 64))
     lines = str(err.value).splitlines()
     assert lines[:4] == [
-        f"export {out}/model.safetensors (sglang format): key set differs from the expected one",
+        f"{out}/model.safetensors (sglang format): key set differs from the expected one",
         "  missing: d2t (expected shape [512])",
         "  missing: midlayer.hidden_norm.weight (expected shape [64])",
         "  unexpected: layers.0.hidden_norm.weight (shape [64])",
@@ -184,7 +186,7 @@ def test_load_refuses_a_config_without_draft_vocab_size(ckpt, tmp_path):
     with pytest.raises(ExportError) as err:
         load_exported_draft(out, torch.zeros(2048, 64))
     assert str(err.value) == (
-        f"export {out}/config.json (sglang format): draft_vocab_size: absent; SGLang then replaces the trained "
+        f"{out}/config.json (sglang format): draft_vocab_size: absent; SGLang then replaces the trained "
         "lm_head with the target's and the draft predicts over the full vocab: write draft_vocab_size explicitly "
         "(eyas remap)"
     )

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from draft_fixtures import ARCH
 
-from eyas.draft import Eagle3Draft
+from eyas.draft import DraftArch, Eagle3Draft
 from eyas.draft_keys import KeyCheckError, expected_eyas_shapes
-from eyas.export.keys import ENGINE_LOADS, FORMATS, check_keys, expected_shapes, invert_key_map, remap_keys
+from eyas.export.keys import FORMATS, check_keys, expected_shapes, invert_key_map, remap_keys
+from eyas.export.serving import ENGINES
 from eyas.layer_ids import LAYER_ID_CONVENTIONS, from_engine_layer_ids, to_engine_layer_ids
 
 
@@ -142,13 +143,32 @@ def test_every_format_key_map_is_pinned():
     assert FORMATS["speculators"].key_map["midlayer.mlp.up_proj.weight"] == "layers.0.mlp.up_proj.weight"
 
 
-def test_engine_loads_are_pinned():
-    assert ENGINE_LOADS == {
-        "sglang<=0.5.10": ("sglang", "vllm", "eagle"),
-        "sglang>=0.5.12": ("sglang", "sglang-0.5.12", "vllm", "eagle"),
-        "vllm": ("sglang", "sglang-0.5.12", "vllm", "speculators", "eagle"),
-        "speculators>=0.9": ("speculators",),
+def test_engines_are_pinned():
+    assert {name: (e.formats, e.options) for name, e in ENGINES.items()} == {
+        "sglang<=0.5.11": (("sglang", "vllm", "eagle"), ()),
+        "sglang>=0.5.12": (("sglang", "sglang-0.5.12", "vllm", "eagle"), ("fc_norm", "norm_output")),
+        "sglang>=0.5.17": (
+            ("sglang", "sglang-0.5.12", "vllm", "eagle"),
+            ("norm_before_fc", "fc_norm", "norm_output"),
+        ),
+        "vllm": (("sglang", "sglang-0.5.12", "vllm", "speculators", "eagle"), ("norm_before_residual",)),
+        "speculators>=0.9": (("speculators",), ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")),
     }
+
+
+def test_option_tensors_keep_their_names_in_every_format():
+    arch = DraftArch(**{**ARCH.to_dict(), "norm_before_fc": True, "fc_norm": True})
+    state = Eagle3Draft(arch).state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected_eyas_shapes(arch)
+    added = {
+        "input_norm.weight": (192,),
+        "fc_norm.0.weight": (64,),
+        "fc_norm.1.weight": (64,),
+        "fc_norm.2.weight": (64,),
+    }
+    for name in FORMATS:
+        shapes = expected_shapes(name, arch)
+        assert {k: shapes[k] for k in added} == added and len(shapes) == len(expected_shapes(name, ARCH)) + 4, name
 
 
 def test_expected_shapes_follow_the_key_map():
@@ -167,7 +187,7 @@ def test_check_keys_explains_silent_loader_failures_for_the_format():
     with pytest.raises(KeyCheckError) as err:
         check_keys(found, {"midlayer.x": (1,)}, where="w", fmt="sglang")
     assert str(err.value).splitlines()[-2:] == [
-        "  why: SGLang <= 0.5.10 silently drops layers.0.* and runs the midlayer with random weights: "
+        "  why: SGLang <= 0.5.11 silently drops layers.0.* and runs the midlayer with random weights: "
         "rename them to midlayer.* (eyas remap --to sglang)",
         "  why: midlayer tensors are missing: the engine keeps their random init without a word "
         "(SGLang never reports unfilled parameters): re-export from the training checkpoint",

@@ -34,13 +34,19 @@ def test_layers_0_keys_are_reported_for_sglang(tmp_path, capsys):
         "export; re-export (eyas remap) rather than editing keys or config by hand"
     ]
     (out / "eyas_export.json").unlink()  # as if written by another tool
-    report = inspect_drafter(out, engine="sglang<=0.5.10")
+    report = inspect_drafter(out, engine="sglang<=0.5.11")
     assert report.format == "sglang-0.5.12" and not report.ok
-    assert report.engines == {"sglang<=0.5.10": False, "sglang>=0.5.12": True, "vllm": True, "speculators>=0.9": False}
+    assert report.engines == {
+        "sglang<=0.5.11": False,
+        "sglang>=0.5.12": True,
+        "sglang>=0.5.17": True,
+        "vllm": True,
+        "speculators>=0.9": False,
+    }
     assert "midlayer.self_attn.q_proj.weight" in report.problems[0]
     assert "layers.0.self_attn.q_proj.weight" in report.problems[0]
     assert main(["inspect", str(out)]) == 0
-    assert main(["inspect", str(out), "--engine", "sglang<=0.5.10"]) == 1
+    assert main(["inspect", str(out), "--engine", "sglang<=0.5.11"]) == 1
 
 
 def test_tied_embeddings_are_reported(tmp_path):
@@ -56,14 +62,15 @@ def test_tied_embeddings_are_reported(tmp_path):
 
 def test_report_lists_keys_config_and_engines(tmp_path, capsys):
     out = export_sglang(write_checkpoint(tmp_path / "step-00000010"), tmp_path / "export")
-    assert main(["inspect", str(out), "--engine", "sglang<=0.5.10"]) == 0
+    assert main(["inspect", str(out), "--engine", "sglang<=0.5.11"]) == 0
     text = capsys.readouterr().out
-    assert text.splitlines()[0] == f"{out}: format sglang, 15 tensors"
+    assert text.splitlines()[0] == f"{out}: format sglang, 15 tensors, written by eyas 0.1.0 (export, eyas_export.json)"
+    assert "  draft options: none (plain EAGLE-3)" in text
     assert "  config.draft_vocab_size = 512" in text
     assert (
         '  config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": true}' in text
     )
-    assert "  loads completely in sglang<=0.5.10: yes" in text
+    assert "  loads completely in sglang<=0.5.11: yes" in text
     assert "  loads completely in speculators>=0.9: NO" in text
 
 

@@ -9,10 +9,13 @@ import torch
 from draft_fixtures import ARCH, AUX_IDS, write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from eyas.export.convert import ExportError, export_checkpoint, load_exported_draft, read_checkpoint
+from eyas.export.convert import export_checkpoint
+from eyas.export.drafter_dir import ExportError
 from eyas.export.inspect import inspect_drafter
 from eyas.export.keys import FORMATS, KeyCheckError, expected_shapes
-from eyas.export.remap import read_any, remap_checkpoint
+from eyas.export.reader import load_exported_draft, read_drafter
+from eyas.export.remap import remap_checkpoint
+from eyas.train.checkpoint import read_checkpoint
 from eyas_cli.main import main
 
 EAGLE_IDS = [2, 4, 5]  # the EAGLE default [2, N//2, N-3] of an 8-layer target
@@ -110,7 +113,7 @@ def test_remap_cli_converts_and_reports(ckpt, tmp_path, capsys):
     assert main(["remap", str(ckpt), str(tmp_path / "t"), "--to", "tgi"]) == 2
 
 
-def test_read_any_detects_every_format(ckpt, tmp_path):
+def test_read_drafter_detects_every_format(ckpt, tmp_path):
     for fmt in sorted(FORMATS):
         out = remap_checkpoint(ckpt, tmp_path / fmt, to=fmt)
-        assert read_any(out, num_target_layers=8)[0] == fmt
+        assert read_drafter(out, num_target_layers=8)[0].format == fmt

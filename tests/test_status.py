@@ -237,7 +237,9 @@ def test_a_damaged_file_is_reported_and_the_other_stages_still_read(tmp_path):
     (config.paths.root / "approval.json").write_text('{"approve": tr')
     status = run_status(path)
     assert status.stage("approval").state == "unreadable"
-    assert status.stage("approval").detail.startswith(f"ValueError: {config.paths.root / 'approval.json'}: not valid JSON")
+    assert status.stage("approval").detail.startswith(
+        f"ValueError: {config.paths.root / 'approval.json'}: not valid JSON"
+    )
     assert status.stage("bench").state == "done"
 
 

@@ -38,7 +38,8 @@ from eyas.config import RunConfig
 from eyas.dataset.prompts import prompt_token_ids, read_prompts
 from eyas.draft import build_draft
 from eyas.engines.sglang import SglangLaunch
-from eyas.export.convert import load_exported_draft, read_export_provenance
+from eyas.export.drafter_dir import read_export_provenance
+from eyas.export.reader import load_exported_draft
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.shards.reader import ShardSamples
 from eyas.target import embed_weight, target_fingerprint

@@ -27,8 +27,8 @@ from eyas.dataset.vocab import check_vocab_mapping
 from eyas.draft import DraftArch, ttt_loss
 from eyas.engines.sglang import SGLANG_LAYER_ID_CONVENTION
 from eyas.export.configs import read_config
-from eyas.export.convert import load_exported_draft
 from eyas.export.keys import check_keys, expected_shapes
+from eyas.export.reader import load_exported_draft
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids
 from eyas.shards.format import ShardMeta, read_shard_layout

@@ -1,6 +1,7 @@
 """An exported drafter directory, as eyas writes it and as every reader finds it (no torch here).
 
-    DIR/model.safetensors     the tensors, in the format's key names (eyas.export.keys)
+    DIR/model.safetensors     the tensors, in the format's key names (eyas.export.keys); a drafter written
+                              elsewhere may hold pytorch_model.bin instead (EAGLE official), read too
     DIR/config.json           the format's config (eyas.export.configs); arch.json + COMPLETE for the eyas format
     DIR/eyas_export.json      provenance: format, source checkpoint, target fingerprint, canonical layer ids
 
@@ -17,9 +18,11 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from eyas.export.bin_weights import bin_tensor_shapes, bin_tensor_values
 from eyas.fsio import read_json_record, replace_dir, temp_path
 
 MODEL_FILE = "model.safetensors"
+BIN_FILE = "pytorch_model.bin"  # read, never written
 CONFIG_FILE = "config.json"
 PROVENANCE_FILE = "eyas_export.json"
 
@@ -28,14 +31,29 @@ class ExportError(ValueError):
     """A checkpoint or an export that cannot be converted or loaded as it is."""
 
 
+def weights_file(root: Path) -> Path:
+    """The weights of a drafter directory: model.safetensors, else pytorch_model.bin."""
+    for name in (MODEL_FILE, BIN_FILE):
+        if (Path(root) / name).is_file():
+            return Path(root) / name
+    raise ExportError(
+        f"{root}: neither {MODEL_FILE} nor {BIN_FILE}; expected an eyas checkpoint or an exported drafter"
+    )
+
+
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of a safetensors file, from its header (safetensors' own reader, numpy: no torch)."""
+    """{tensor name: shape} of a weights file, from its header (safetensors' own reader, numpy) or its pickle
+    (eyas.export.bin_weights): no torch."""
+    if Path(path).name == BIN_FILE:
+        return bin_tensor_shapes(path)
     with safe_open(str(path), framework="numpy") as f:
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def read_small_tensor(path: Path, name: str) -> list:
     """The values of one small tensor (d2t, t2d) as a list; no other tensor is read."""
+    if Path(path).name == BIN_FILE:
+        return bin_tensor_values(path, name).tolist()
     with safe_open(str(path), framework="numpy") as f:
         return f.get_tensor(name).tolist()
 

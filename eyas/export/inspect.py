@@ -1,11 +1,13 @@
 """`eyas inspect PATH`: audit a drafter directory from its config and safetensors headers only.
 
-Detects the format (eyas.export.configs: an eyas training checkpoint with arch.json, or an sglang,
-sglang-0.5.12, vllm, speculators or eagle export with config.json), lists every tensor with its
-shape, which engine versions load its key set completely, and every problem found, with the fix.
-Only the header, the JSON files and the small d2t/t2d tensors are read; torch is not imported.
-`--engine sglang<=0.5.10` (any key of ENGINE_LOADS) also makes a problem of a key set that
-engine version would not fill completely (e.g. `layers.0.*`, which SGLang <= 0.5.10 drops).
+Names the producer and format (eyas.export.producers: an eyas training checkpoint or export, speculators
+with its release, SpecForge, EAGLE official, a vLLM-format config), reads the config as that producer
+writes it (eyas.export.configs: what is derived is listed as a note), lists every tensor with its shape,
+the draft options it turns on, which engine versions fill every tensor and run every option
+(eyas.export.serving), and every problem found, with the fix. Only the header (or the pickle of a
+pytorch_model.bin), the JSON files and the small d2t/t2d tensors are read; torch is not imported.
+`--engine sglang<=0.5.11` (any key of ENGINES) also makes a problem of a drafter that engine version
+would not run as trained (e.g. `layers.0.*`, which SGLang <= 0.5.11 drops, or an option it ignores).
 
 Layer ids are checked where a sound reference exists: against eyas_export.json (the canonical ids
 the export was made from) and, given the target's layer count, for range and for the canonical
@@ -20,14 +22,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from eyas.draft_keys import vocab_mapping_problems
-from eyas.export.configs import (
-    ConfigError,
-    detect_format,
-    read_config,
+from eyas.draft_keys import DRAFT_OPTIONS, vocab_mapping_problems
+from eyas.export.configs import ConfigError, TargetRef, read_config
+from eyas.export.drafter_dir import (
+    PROVENANCE_FILE,
+    read_export_provenance,
+    read_small_tensor,
+    tensor_shapes,
+    weights_file,
 )
-from eyas.export.drafter_dir import PROVENANCE_FILE, read_export_provenance, read_small_tensor, tensor_shapes
-from eyas.export.keys import ENGINE_LOADS, KeyCheckError, check_keys, expected_shapes, get_format
+from eyas.export.keys import (
+    KeyCheckError,
+    check_keys,
+    derivable_keys,
+    expected_shapes,
+    format_convention,
+    get_format,
+)
+from eyas.export.producers import Producer, identify_producer
+from eyas.export.serving import ENGINES, serving_engines
 from eyas.layer_ids import LAYER_ID_CONVENTIONS, default_aux_layer_ids, to_engine_layer_ids
 
 _ARCH_FIELDS = (
@@ -60,11 +73,17 @@ _SHOWN_CONFIG = (
 @dataclass
 class InspectReport:
     path: Path
-    format: str
+    producer: Producer
     shapes: dict[str, tuple[int, ...]]
     config: dict
+    options: tuple[str, ...] = ()
     engines: dict[str, bool] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def format(self) -> str:
+        return self.producer.format
 
     @property
     def ok(self) -> bool:
@@ -72,9 +91,11 @@ class InspectReport:
 
     @property
     def text(self) -> str:
-        lines = [f"{self.path}: format {self.format}, {len(self.shapes)} tensors"]
+        lines = [f"{self.path}: format {self.format}, {len(self.shapes)} tensors, written by {self.producer.label}"]
         lines += [f"  {name:48s} {list(shape)}" for name, shape in sorted(self.shapes.items())]
         lines += [f"  config.{k} = {json.dumps(self.config[k])}" for k in _SHOWN_CONFIG if k in self.config]
+        lines.append(f"  draft options: {', '.join(self.options) or 'none (plain EAGLE-3)'}")
+        lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  loads completely in {e}: {'yes' if ok else 'NO'}" for e, ok in self.engines.items()]
         lines.append("problems:" if self.problems else "no problems found")
         lines += [f"  - {p}" for p in self.problems]
@@ -82,58 +103,87 @@ class InspectReport:
 
 
 def inspect_drafter(
-    path: str | Path, *, num_target_layers: int | None = None, engine: str | None = None
+    path: str | Path,
+    *,
+    num_target_layers: int | None = None,
+    engine: str | None = None,
+    target: str | Path | None = None,
 ) -> InspectReport:
     """Audit the drafter in `path`.
 
-    num_target_layers (the target's N) enables the layer-id range checks; engine (a key of
-    ENGINE_LOADS) adds a problem when that engine version would not load every tensor.
+    num_target_layers (the target's N) enables the layer-id range checks; engine (a key of ENGINES) adds a
+    problem when that engine version would not fill every tensor or run every draft option; target (its model
+    directory or config.json) gives N and the numbering SGLang reads the draft's ids in.
     """
-    if engine is not None and engine not in ENGINE_LOADS:
-        raise ValueError(f"engine {engine!r}: unknown; expected one of {sorted(ENGINE_LOADS)}")
+    if engine is not None and engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: unknown; expected one of {sorted(ENGINES)}")
+    ref = TargetRef.read(target) if target is not None else None
+    num_target_layers = num_target_layers or (ref.num_layers if ref else None)
+    architectures = list(ref.architectures) if ref else None
     root = Path(path)
-    weights = root / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"{root}: no model.safetensors; expected an eyas checkpoint or an exported drafter")
+    weights = weights_file(root)
     shapes = tensor_shapes(weights)
-    fmt = detect_format(root, shapes)
-    config = json.loads((root / ("arch.json" if fmt == "eyas" else "config.json")).read_text())
-    report = InspectReport(root, fmt, shapes, config)
-    if fmt != "eyas":
-        report.engines = {e: any(_loads(f, shapes) for f in fmts) for e, fmts in ENGINE_LOADS.items()}
-    arch, ids = _read_arch(report)
+    producer = identify_producer(root, shapes)
+    config = json.loads((root / ("arch.json" if producer.format == "eyas" else "config.json")).read_text())
+    report = InspectReport(root, producer, shapes, config)
+    convention = format_convention(producer.format, architectures)
+    if convention == "sglang_llama" and architectures is None:
+        report.notes.append(
+            "layer ids read in sglang_llama numbering (a Llama/Qwen target); for a DeepSeek or Kimi target pass "
+            "the target (--target), whose SGLang numbering differs"
+        )
+    arch, ids = _read_arch(report, convention)
     if arch is None:
         return report
-    _check_keys(report, arch)
-    if "d2t" in shapes and "t2d" in shapes:
+    report.options = tuple(o for o in DRAFT_OPTIONS if getattr(arch, o, False))
+    derivable = _derivable(report, arch)
+    report.notes += sorted(set(derivable.values()))
+    expected = _expected(report, arch)
+    shapes = {**shapes, **{k: expected[k] for k in derivable if k in expected}}
+    if report.format != "eyas":
+        matches = {f: _loads(f, shapes, arch) for e in ENGINES.values() for f in e.formats}
+        report.engines = serving_engines(report.format, matches, report.options)
+    _check_keys(report, arch, shapes)
+    if "d2t" in report.shapes and "t2d" in report.shapes:
         d2t, t2d = read_small_tensor(weights, "d2t"), read_small_tensor(weights, "t2d")
         report.problems += vocab_mapping_problems(d2t, t2d, arch.draft_vocab_size)
+    fmt = report.format
     provenance = read_export_provenance(root)
     if provenance is not None and provenance.get("format") != fmt:
         report.problems.append(
             f"{PROVENANCE_FILE} says format {provenance.get('format')!r}, the files read as {fmt!r}: they were "
             "edited after the export; re-export (eyas remap) rather than editing keys or config by hand"
         )
-    report.problems += layer_id_problems(fmt, ids, provenance, num_target_layers)
+    report.problems += layer_id_problems(fmt, ids, provenance, num_target_layers, convention)
     if engine is not None and not report.engines.get(engine, False):
-        report.problems.append(engine_problem(report, arch, engine))
+        report.problems += engine_problems(report, arch, shapes, engine)
     return report
 
 
-def engine_problem(report: InspectReport, arch: SimpleNamespace, engine: str) -> str:
-    """Why `engine` would not fill every parameter: the key check against its closest key set."""
+def engine_problems(report: InspectReport, arch: SimpleNamespace, shapes: dict, engine: str) -> list[str]:
+    """Why `engine` would not run the drafter as trained: the key check against its closest key set, and
+    each draft option it does not run."""
+    e = ENGINES[engine]
+    problems = [
+        f"{o}: {engine} does not run this draft option; it runs {list(e.options) or 'none'}"
+        for o in report.options
+        if o not in e.options
+    ]
     errors = []
-    for fmt in ENGINE_LOADS[engine]:
+    for fmt in e.formats:
         try:
-            check_keys(report.shapes, expected_shapes(fmt, arch), f"{report.path} for {engine} ({fmt} keys)", fmt=fmt)
+            check_keys(shapes, expected_shapes(fmt, arch), f"{report.path} for {engine} ({fmt} keys)", fmt=fmt)
         except KeyCheckError as err:
             errors.append(str(err))
-    return min(errors, key=lambda e: (e.count("\n"), e))
+    if len(errors) == len(e.formats):
+        problems.insert(0, min(errors, key=lambda text: (text.count("\n"), text)))
+    return problems
 
 
-def _read_arch(report: InspectReport) -> tuple[SimpleNamespace | None, list[int] | None]:
+def _read_arch(report: InspectReport, convention: str) -> tuple[SimpleNamespace | None, list[int] | None]:
     if report.format == "eyas":
         fields, ids = report.config.get("arch") or {}, report.config.get("aux_layer_ids")
+        fields = {**dict.fromkeys(DRAFT_OPTIONS, False), **fields}
         missing = sorted(set(_ARCH_FIELDS) - set(fields))
         if missing:
             report.problems.append(
@@ -142,38 +192,75 @@ def _read_arch(report: InspectReport) -> tuple[SimpleNamespace | None, list[int]
             return None, None
         return SimpleNamespace(**fields), ids
     try:
-        info = read_config(report.format, report.config)
+        info = read_config(report.format, report.config, report.producer.name, convention)
     except ConfigError as err:
         report.problems.append(str(err))
         return None, None
     report.problems += info.problems
+    report.notes += info.notes
     if info.arch["draft_vocab_size"] is None:
         info.arch["draft_vocab_size"] = report.shapes.get("lm_head.weight", (info.arch["target_vocab_size"],))[0]
     return SimpleNamespace(**info.arch), info.aux_layer_ids
 
 
-def _check_keys(report: InspectReport, arch: SimpleNamespace) -> None:
+def _derivable(report: InspectReport, arch: SimpleNamespace) -> dict[str, str]:
     try:
-        check_keys(report.shapes, expected_shapes(report.format, arch), str(report.path), fmt=report.format)
+        return derivable_keys(report.format, arch, report.shapes)
+    except (AttributeError, TypeError):
+        return {}
+
+
+def _expected(report: InspectReport, arch: SimpleNamespace) -> dict:
+    try:
+        return expected_shapes(report.format, arch)
+    except (AttributeError, TypeError):
+        return {}
+
+
+def _check_keys(report: InspectReport, arch: SimpleNamespace, shapes: dict) -> None:
+    try:
+        check_keys(shapes, expected_shapes(report.format, arch), str(report.path), fmt=report.format)
     except KeyCheckError as err:
         report.problems.append(str(err))
     except (AttributeError, TypeError) as err:
         report.problems.append(f"{report.path}: the config does not describe a draft architecture ({err}); re-export")
 
 
-def _loads(fmt: str, shapes: dict) -> bool:
-    """Whether the key set is exactly `fmt`'s (shapes are checked separately, against the config)."""
-    keys = {dst for dst in get_format(fmt).key_map.values() if dst is not None}
-    return set(shapes) == keys
+def _loads(fmt: str, shapes: dict, arch: SimpleNamespace) -> bool:
+    """Whether the key set is exactly `fmt`'s for this draft (shapes are checked separately)."""
+    try:
+        return set(shapes) == set(expected_shapes(fmt, arch))
+    except (AttributeError, TypeError):
+        return False
+
+
+def layer_range_problems(fmt: str, canonical: list[int] | None, num_target_layers: int | None) -> list[str]:
+    """Canonical ids that a `fmt` engine cannot capture for an N-layer target: 1..N-1 (inputs of its layers),
+    and N (the final state) for speculators."""
+    if canonical is None or num_target_layers is None:
+        return []
+    top = num_target_layers if fmt == "speculators" else num_target_layers - 1
+    out_of_range = [i for i in canonical if not 1 <= i <= top]
+    if not out_of_range:
+        return []
+    return [
+        f"aux layer ids (canonical {canonical}): {out_of_range} fall outside 1..{top}, what {fmt} can capture of a "
+        f"{num_target_layers}-layer target (N = the final state only for speculators): the ids are in another "
+        "convention or for another target, or the destination cannot serve them"
+    ]
 
 
 def layer_id_problems(
-    fmt: str, canonical: list[int] | None, provenance: dict | None, num_target_layers: int | None
+    fmt: str,
+    canonical: list[int] | None,
+    provenance: dict | None,
+    num_target_layers: int | None,
+    convention: str | None = None,
 ) -> list[str]:
     """Layer ids in the wrong convention, judged against eyas_export.json and the target's layer count."""
     if canonical is None:
         return []
-    convention = get_format(fmt).layer_id_convention
+    convention = convention or get_format(fmt).layer_id_convention
     engine = to_engine_layer_ids(canonical, convention) if fmt != "eyas" else canonical
     problems = []
     if provenance and provenance.get("format") == fmt and "aux_layer_ids" in provenance:
@@ -186,13 +273,7 @@ def layer_id_problems(
             )
     if num_target_layers is None:
         return problems
-    top = num_target_layers if fmt == "speculators" else num_target_layers - 1
-    out_of_range = [i for i in canonical if not 1 <= i <= top]
-    if out_of_range:
-        problems.append(
-            f"aux layer ids {engine} ({convention}) are canonical {canonical}; {out_of_range} fall outside 1..{top} "
-            f"for a {num_target_layers}-layer target: the ids are in another convention or for another target"
-        )
+    problems += layer_range_problems(fmt, canonical, num_target_layers)
     default = default_aux_layer_ids(num_target_layers)
     if LAYER_ID_CONVENTIONS[convention].offset != 0 and engine == default:
         problems.append(

@@ -7,10 +7,11 @@ skips or never fills a parameter (SGLang does both) cannot receive a checkpoint 
 set; the error says why each offender matters for that format (KEY_HINTS).
 
 Formats (FORMATS): `eyas` (training checkpoints), `sglang` (`midlayer.*`: loaded by every SGLang
-version), `sglang-0.5.12` (`layers.0.*`: SGLang >= 0.5.12 only, <= 0.5.10 drops it silently),
+version), `sglang-0.5.12` (`layers.0.*`: SGLang >= 0.5.12 only, <= 0.5.11 drops it silently),
 `vllm`, `speculators` (`layers.0.*`, keeps embed_tokens) and `eagle` (EAGLE official /
-SpecForge naming, layer ids fixed by the target's code). ENGINE_LOADS says which key sets each
-engine version loads completely.
+SpecForge naming, layer ids fixed by the target's code). eyas.export.serving says which key sets and
+draft options each engine version serves. A draft option's tensors (eyas.draft_keys.option_shapes) keep
+their names in every format: `Format.key_map_for(arch)`.
 
 Each format's layer-id convention names a rule of eyas.layer_ids. This module imports no torch:
 `eyas inspect` uses it on headers only.
@@ -29,7 +30,9 @@ from eyas.draft_keys import (
     Shapes,
     check_key_set,
     expected_eyas_shapes,
+    option_shapes,
 )
+from eyas.layer_ids import sglang_convention
 
 if TYPE_CHECKING:
     from eyas.draft import DraftArch
@@ -51,6 +54,10 @@ class Format:
     layer_id_convention: str
     description: str
 
+    def key_map_for(self, arch) -> dict[str, str | None]:
+        """The key map of a draft with `arch`: the plain draft's map and its option tensors, which keep their names."""
+        return {**self.key_map, **{k: k for k in option_shapes(arch)}}
+
 
 # embed_tokens is dropped wherever the engine replaces the draft's embedding with the target's
 # (SGLang always; vLLM shares the target's when the checkpoint has none; EAGLE loads the base model's).
@@ -66,17 +73,15 @@ FORMATS: dict[str, Format] = {
     )
 }
 
-# Which formats' exact key sets each engine version loads with every parameter filled.
-ENGINE_LOADS: dict[str, tuple[str, ...]] = {
-    "sglang<=0.5.10": ("sglang", "vllm", "eagle"),
-    "sglang>=0.5.12": ("sglang", "sglang-0.5.12", "vllm", "eagle"),
-    "vllm": ("sglang", "sglang-0.5.12", "vllm", "speculators", "eagle"),
-    "speculators>=0.9": ("speculators",),
-}
-
-
 # SGLang's LlamaForCausalLMEagle3 builds fc as Linear(3 * target_hidden_size, hidden_size).
 SGLANG_NUM_AUX = 3
+
+
+def format_convention(fmt: str, target_architectures: list[str] | None = None) -> str:
+    """The layer-id convention a `fmt` config is written in for a target of these architectures: SGLang reads
+    eagle_config ids of a DeepSeek-family target in its conditional numbering (eyas.layer_ids)."""
+    convention = get_format(fmt).layer_id_convention
+    return sglang_convention(target_architectures) if convention == "sglang_llama" else convention
 
 
 def get_format(name: str) -> Format:
@@ -90,8 +95,21 @@ def get_format(name: str) -> Format:
 
 def expected_shapes(fmt: str, arch: DraftArch) -> Shapes:
     """The exact key set and shapes of a `fmt` checkpoint of a draft with `arch`."""
-    eyas_shapes = expected_eyas_shapes(arch)
-    return {dst: eyas_shapes[src] for src, dst in get_format(fmt).key_map.items() if dst is not None}
+    key_map = get_format(fmt).key_map_for(arch)
+    return {key_map[src]: shape for src, shape in expected_eyas_shapes(arch).items() if key_map[src] is not None}
+
+
+def derivable_keys(fmt: str, arch, found) -> dict[str, str]:
+    """{key: why it may be absent} for the keys of `fmt`'s set that a producer leaves out because every engine
+    derives them: embed_tokens of a speculators draft (speculators and vLLM then take the target's, as the
+    EAGLE converter writes it), d2t/t2d of a draft over the whole target vocab (the identity mapping)."""
+    derivable = {}
+    if fmt == "speculators" and "embed_tokens.weight" not in found:
+        derivable["embed_tokens.weight"] = "embed_tokens: absent; speculators and vLLM take the target's embedding"
+    if arch.draft_vocab_size == arch.target_vocab_size and not ({"d2t", "t2d"} & set(found)):
+        why = "d2t/t2d: absent, the draft vocab is the whole target vocab (identity mapping)"
+        derivable.update({"d2t": why, "t2d": why})
+    return derivable
 
 
 def remap_keys(names, key_map: dict[str, str | None], where: str) -> dict[str, str]:
@@ -116,7 +134,7 @@ KEY_HINTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "unexpected",
         "layers.0.",
         ("sglang", "vllm", "eagle"),
-        "SGLang <= 0.5.10 silently drops layers.0.* and runs the midlayer with random weights: "
+        "SGLang <= 0.5.11 silently drops layers.0.* and runs the midlayer with random weights: "
         "rename them to midlayer.* (eyas remap --to sglang)",
     ),
     (

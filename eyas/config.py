@@ -65,7 +65,8 @@ class DatasetConfig(StrictModel):
 
 
 class SGLangExtractConfig(StrictModel):
-    """An SGLang server in aux-capture mode (GPU only); see eyas.extract_sglang for the exact command."""
+    """An SGLang server in aux-capture mode with eyas's capture hook (GPU only); `eyas engine-command CONFIG
+    --stage extract` prints the exact command."""
 
     server_url: str = Field(
         default="", description="an SGLang server already running in aux-capture mode; empty = launch one"
@@ -76,6 +77,12 @@ class SGLangExtractConfig(StrictModel):
     startup_timeout_s: int = Field(default=1800, ge=10, description="wait this long for GET /health")
     request_timeout_s: int = Field(default=600, ge=1, description="per /generate request")
     extra_args: list[str] = Field(default_factory=list, description="more launch_server flags")
+    capture_dir: str = Field(
+        default="",
+        description="folder the server's capture hook writes each request's states to and eyas reads them from "
+        "(shared by both: one machine or a shared volume); empty = a new temporary folder for a launched server, "
+        "the folder named in the server's --forward-hooks for server_url",
+    )
 
     @model_validator(mode="after")
     def _server_url_or_launch(self) -> "SGLangExtractConfig":

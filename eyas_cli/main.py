@@ -9,6 +9,7 @@ Usage:
   eyas remap SRC DST --to FORMAT [--sglang-version V] [--target T] [--dtype D] [--embed-from F]
   eyas stop TRAIN_DIR                    stop the trainer processes eyas started there (and only those)
   eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config or workdir)
+  eyas engine-command CONFIG --stage extract|bench|baseline [--json]   the SGLang server a stage starts
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     status = sub.add_parser("status", help="where a run stands: stages, progress, next command, files")
     status.add_argument("run", nargs="?", default=str(DEMO_PRESET), help="a run config (JSON) or a run's workdir")
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    engine = sub.add_parser("engine-command", help="print the SGLang launch command a stage would run")
+    engine.add_argument("config")
+    engine.add_argument("--stage", required=True, choices=["extract", "bench", "baseline"])
+    engine.add_argument("--json", action="store_true", help="print {stage, argv, command} as JSON")
     remap = sub.add_parser("remap", help="convert a drafter checkpoint to another format")
     remap.add_argument("src")
     remap.add_argument("dst")
@@ -219,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         return run_remap(args)
     if args.command == "status":
         return show_status(args.run, args.json)
+    if args.command == "engine-command":
+        import shlex
+
+        from eyas_cli.engine_command import engine_command
+
+        argv = engine_command(load_config(args.config), args.stage)
+        out = {"stage": args.stage, "argv": argv, "command": shlex.join(argv)}
+        print(json.dumps(out, indent=1) if args.json else out["command"])
+        return 0
     if args.command == "stop":
         from eyas.train.preflight import stop_recorded
 

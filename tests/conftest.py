@@ -163,3 +163,23 @@ def flush_prefect_logs():
     from run_queries import drain_run_logs
 
     drain_run_logs()
+
+
+@pytest.fixture(scope="session")
+def sglang_kit(tmp_path_factory):
+    """SGLang 0.5.23's own argument code as a loopback service (tests/sglang_conformance.py); its URL is also in
+    EYAS_SGLANG_KIT_URL for the doubles, which answer from that resolution."""
+    import os
+
+    from sglang_conformance import KIT_URL_ENV, sglang_kit_service
+
+    with sglang_kit_service(tmp_path_factory.mktemp("sglang-kit")) as url:
+        previous = os.environ.get(KIT_URL_ENV)
+        os.environ[KIT_URL_ENV] = url
+        try:
+            yield url
+        finally:
+            if previous is None:
+                os.environ.pop(KIT_URL_ENV, None)
+            else:
+                os.environ[KIT_URL_ENV] = previous

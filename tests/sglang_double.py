@@ -3,18 +3,23 @@
     python -m tests.sglang_double --model-path TARGET --host 127.0.0.1 --port 30000 \
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT --speculative-num-steps 3 ...]
 
-GET /health answers 503 while "loading" (a short delay), then 200. POST /generate takes SGLang's
-documented body {"input_ids": [...], "sampling_params": {"temperature": 0, "max_new_tokens": N}}
-and answers {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
-"finish_reason", "e2e_latency"}}, adding "spec_verify_ct" only when a speculative algorithm was
-given, as SGLang does. Its outputs are a deterministic function of the prompt, not a model's.
-Environment: EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH (tokens per verify step, default 2.5),
-EYAS_SGLANG_DOUBLE_EXIT=1 (exit at start-up with an error, like a failed launch).
+Its server arguments are SGLang 0.5.23's own: the flags go to SGLang's parser and resolution
+(tests/sglang_conformance.py, the `sglang_kit` fixture); a command SGLang refuses makes the double exit with
+SGLang's message, as a launch fails, and the speculative shape it serves is the resolved one (for example
+--speculative-num-draft-tokens rewritten to steps + 1 for a chain). GET /health answers 503 while "loading"
+(a short delay), then 200; GET /server_info answers the resolution. POST /generate takes
+{"input_ids": [...], "sampling_params": {"temperature": 0, "max_new_tokens": N}} and answers {"text",
+"output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency"}}.
+As managers/tokenizer_manager.py `_calculate_spec_decoding_metrics` does, it adds "spec_verify_ct" (with
+spec_accept_length) only when the resolved speculative_algorithm is set and the count is > 0: an answer that
+ended at prefill has none. Outputs are a deterministic function of the prompt, not a model's.
+Environment: EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH (tokens per verify step, default 2.5, at most steps + 1),
+EYAS_SGLANG_DOUBLE_STOP_AT_PREFILL (comma-separated token ids: a prompt ending in one stops after its first
+token, as at an end-of-sequence token), EYAS_SGLANG_DOUBLE_EXIT=1 (exit at start-up with an error).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,24 +28,21 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.sglang_conformance import SglangRefused, resolved_server_info
+
 STEP_S = 0.002  # one simulated forward
 
 
-def parse(argv):
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--speculative-algorithm")
-    p.add_argument("--speculative-draft-model-path")
-    p.add_argument("--speculative-num-steps", type=int)
-    p.add_argument("--speculative-eagle-topk", type=int)
-    p.add_argument("--speculative-num-draft-tokens", type=int)
-    return p.parse_args(argv)
+def parse_port(argv: list[str]) -> tuple[str, int]:
+    host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+    return host, int(argv[argv.index("--port") + 1]) if "--port" in argv else 30000
 
 
-def make_handler(args, ready_at: float):
-    accept_length = float(os.environ.get("EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH", "2.5"))
+def make_handler(info: dict, ready_at: float):
+    speculative = info.get("speculative_algorithm") is not None
+    longest = (info.get("speculative_num_steps") or 0) + 1  # a chain accepts at most steps + 1 tokens a step
+    accept_length = min(float(os.environ.get("EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH", "2.5")), max(longest, 1))
+    stop_ids = {int(t) for t in os.environ.get("EYAS_SGLANG_DOUBLE_STOP_AT_PREFILL", "").split(",") if t}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -55,6 +57,8 @@ def make_handler(args, ready_at: float):
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path in ("/server_info", "/get_server_info"):
+                return self._send(200, info)
             if self.path != "/health":
                 return self._send(404, {"error": f"no route {self.path}"})
             self._send(200 if time.monotonic() >= ready_at else 503, {})
@@ -68,13 +72,16 @@ def make_handler(args, ready_at: float):
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
                 return self._send(400, {"error": "input_ids: expected a non-empty list of token ids"})
             n = int(params.get("max_new_tokens", 128))
+            if ids[-1] in stop_ids:
+                n = 1  # the first token, sampled at prefill, ends the answer
             output = [(sum(ids) + 7 * i) % 2048 for i in range(n)]
             meta = {"id": uuid.uuid4().hex, "prompt_tokens": len(ids), "completion_tokens": n}
-            meta["finish_reason"] = {"type": "length", "length": n}
-            steps = n
-            if args.speculative_algorithm:
-                steps = meta["spec_verify_ct"] = max(1, math.ceil(n / accept_length))
-            time.sleep(STEP_S * steps)
+            meta["finish_reason"] = {"type": "stop" if n == 1 else "length", "length": n}
+            verify = math.ceil((n - 1) / accept_length) if speculative else 0  # the prefill makes token 1
+            if verify > 0:  # tokenizer_manager.py adds the spec fields only for spec_verify_ct > 0
+                meta["spec_verify_ct"] = verify
+                meta["spec_accept_length"] = n / verify
+            time.sleep(STEP_S * (verify or n))
             meta["e2e_latency"] = time.monotonic() - start
             self._send(200, {"text": " ".join(map(str, output)), "output_ids": output, "meta_info": meta})
 
@@ -82,12 +89,17 @@ def make_handler(args, ready_at: float):
 
 
 def main(argv=None) -> int:
-    args = parse(argv if argv is not None else sys.argv[1:])
+    argv = list(argv if argv is not None else sys.argv[1:])
     if os.environ.get("EYAS_SGLANG_DOUBLE_EXIT") == "1":
         print("RuntimeError: double told to fail at start-up (EYAS_SGLANG_DOUBLE_EXIT=1)", file=sys.stderr)
         return 1
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(args, time.monotonic() + 0.5))
-    print(f"double of sglang.launch_server serving {args.model_path} on {args.host}:{args.port}", flush=True)
+    try:
+        info = resolved_server_info(argv)
+    except SglangRefused as err:
+        print(err, file=sys.stderr)
+        return 1
+    server = ThreadingHTTPServer(parse_port(argv), make_handler(info, time.monotonic() + 0.5))
+    print(f"double of sglang.launch_server serving {info['model_path']} on {server.server_address}", flush=True)
     server.serve_forever()
     return 0
 

@@ -1,67 +1,96 @@
-"""Test double of an SGLang (>= 0.5.23) server in aux-capture mode (SGLang cannot run on CPU).
+"""Test double of an SGLang 0.5.23 server in aux-capture mode (SGLang cannot run on CPU).
 
-It is NOT SGLang: it speaks the HTTP protocol eyas.extract_sglang documents and computes REAL hidden
-states of a small Hugging Face target with transformers (eyas.target.target_features), so that the
-backend's features can be compared with the hf backend's.
+It is NOT SGLang: it runs a small Hugging Face target with transformers (eyas.target.target_features) and
+answers as SGLang 0.5.23's code does, so the backend's features can be compared with the hf backend's:
 
-    python -m tests.sglang_extract_double --model-path TARGET --host 127.0.0.1 --port 30000 [aux-capture flags]
-    with serve_extract_double(TARGET, flags=aux_capture_flags(cfg, engine_ids), mode="ok") as url: ...
+    python -m tests.sglang_extract_double --model-path TARGET --host 127.0.0.1 --port 30000 [flags]
+    with serve_extract_double(TARGET, flags=aux_capture_flags(cfg, engine_ids, capture_dir)) as url: ...
 
-Routes, as SGLang names them: GET /health (200 once the model is loaded); GET /server_info (the server
-args + "version"); POST /generate {"input_ids", "sampling_params": {"max_new_tokens"}, "return_hidden_states"}
--> {"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens", "cached_tokens",
-"finish_reason", "hidden_states", "last_hidden_states"}}. Like SGLang it refuses return_hidden_states
-without --enable-return-hidden-states (HTTP 400), captures the aux layers only under
---speculative-algorithm EAGLE3 (otherwise hidden_states are the final layer's, H wide), reads the layer
-ids from --json-model-override-args eagle_config and captures hidden_states[id + 1] (default
-[2, N//2, N-3]), and appends one row per generated token after the prompt's rows.
+What it takes from SGLang itself: its server arguments. The flags go to SGLang's own parser and resolution
+(tests/sglang_conformance.py, the `sglang_kit` fixture); a command SGLang refuses makes the double exit with
+SGLang's message, as a launch fails, and GET /server_info answers exactly SGLang's resolution (plus the
+port it really listens on). What it imitates, each from the named SGLang function:
+- layers captured: `set_eagle3_layers_to_capture` of models/llama.py (0.5.23): ids + 1 each, or
+  [2, N//2, N-3] without ids; a Llama target only.
+- forward hooks: model_executor/hook_manager.py `register_forward_hooks` resolves each spec's hook_factory
+  ("pkg.mod:fn"), calls it with the spec's config and attaches the hook to the modules whose names match
+  target_modules (fnmatch); the double's module tree has `logits_processor`. The hook is called as
+  hook(module, args, output) with LogitsProcessor.forward's positional args (input_ids, hidden_states,
+  lm_head, forward_batch, aux_hidden_states) and a LogitsProcessorOutput whose hidden_states are the aux
+  layers concatenated (`pack_aux_hidden_states`) and last_hidden_states the final-norm rows
+  (`_get_last_hidden_states_to_store`: aux-capture mode under full capture).
+- /generate body checks: managers/tokenizer_manager.py `_validate_one_request` refuses return_hidden_states
+  when the server's return_hidden_states_mode is None (HTTP 400, SGLang's message).
+- meta_info.hidden_states: managers/scheduler_components/batch_result_processor.py appends
+  `hidden_states[start:start + extend_input_len].tolist()` (one element: [prompt tokens][width]) when the
+  request asks for them; no last_hidden_states key ever.
+- input_top_logprobs / output_top_logprobs: logprob_result_processor.py starts the input list with [None]
+  and moves the last position's entry to the output; tokenizer_manager.py `detokenize_top_logprobs_tokens`
+  makes each entry (logprob, token_id, None).
 
-Modes that misbehave (argument `mode`, or EYAS_SGLANG_EXTRACT_DOUBLE_MODE for the command line):
-ok; h_wide (claims aux-capture mode but returns the final layer's H-wide states as hidden_states);
-old_version (reports version 0.5.22); truncated (drops each prompt's last row); http_500 (every /generate
-fails); slow (answers /generate after 3 s).
+Modes that misbehave (argument `mode`, or EYAS_SGLANG_EXTRACT_DOUBLE_MODE for the command line): ok;
+no_hook (never calls forward hooks, as a prefill replayed from a CUDA graph); drift_aux (the JSON hidden
+states differ from what the hook sees, as if SGLang's fields moved); drift_last (the hook's
+last_hidden_states are pre-norm); old_version (reports version 0.5.22); http_500; slow (3 s per answer).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import fnmatch
 import functools
+import importlib
 import json
 import os
 import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
+from enum import IntEnum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from eyas.target import load_target, target_features
+from tests.sglang_conformance import SglangRefused, resolved_server_info
 
-MODES = ("ok", "h_wide", "old_version", "truncated", "http_500", "slow")
-VERSION, OLD_VERSION = "0.5.23", "0.5.22"
+MODES = ("ok", "no_hook", "drift_aux", "drift_last", "old_version", "http_500", "slow")
+OLD_VERSION = "0.5.22"
 NOT_CONFIGURED = (
     "The server is not configured to return the hidden states. "
     "Please set `--enable-return-hidden-states` to enable this feature."
-)  # SGLang's own message
+)  # SGLang's own message (tokenizer_manager.py)
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sglang_extract_double")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--pp-size", type=int, default=1)
-    p.add_argument("--mem-fraction-static", type=float, default=0.9)
-    p.add_argument("--speculative-algorithm")
-    p.add_argument("--enable-return-hidden-states", action="store_true")
-    p.add_argument("--enable-return-aux-hidden-states", action="store_true")
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--json-model-override-args", default="{}")
-    return p.parse_args(argv)
+class ForwardMode(IntEnum):  # model_executor/forward_batch_info.py (the members the double uses)
+    EXTEND = 1
+    DECODE = 2
+
+
+@dataclass
+class ForwardBatch:  # the fields of model_executor/forward_batch_info.py ForwardBatch the hook may read
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    rids: list[str]
+    extend_seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+
+
+@dataclass
+class LogitsProcessorOutput:  # layers/logits_processor.py (the fields the double fills)
+    next_token_logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+    hidden_states_token_indices: torch.Tensor | None = None
+    last_hidden_states: torch.Tensor | None = None
+    customized_info: dict | None = field(default=None)
+
+
+def parse_port(argv: list[str]) -> tuple[str, int]:
+    host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+    port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 30000
+    return host, port
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,53 +98,74 @@ def _target(model_path: str):
     return load_target(model_path, "float32")
 
 
-class HiddenStateModel:
-    """What the server computes: greedy tokens and, per position, the captured and the final states."""
+def _factory(path: str):  # hook_manager.py resolve_callable: "pkg.mod:fn" or "pkg.mod.fn"
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
-    def __init__(self, args: argparse.Namespace, mode: str):
-        self.args, self.mode, self.lock = args, mode, threading.Lock()
-        self.model = _target(args.model_path).model
+
+class HiddenStateModel:
+    """What the server computes per prompt, and the forward hooks it runs on the logits processor."""
+
+    def __init__(self, info: dict, mode: str):
+        self.info, self.mode, self.lock = info, mode, threading.Lock()
+        self.model = _target(info["model_path"]).model
         n = self.model.config.num_hidden_layers
-        eagle = json.loads(args.json_model_override_args).get("eagle_config") or {}
-        configured = eagle.get("eagle_aux_hidden_state_layer_ids")
-        # SGLang Llama: layers_to_capture = [id + 1 for id in configured], or [2, N//2, N-3] without ids
-        self.capture = [i + 1 for i in configured] if configured is not None else [2, n // 2, n - 3]
-        self.aux_mode = args.speculative_algorithm == "EAGLE3" and args.enable_return_aux_hidden_states
+        ids = info.get("return_aux_hidden_state_layer_ids")
+        self.aux_mode = info.get("aux_hidden_state_capture") is not None
+        # models/llama.py set_eagle3_layers_to_capture
+        self.capture = [i + 1 for i in ids] if ids is not None else [2, n // 2, n - 3]
+        self.hooks = []
+        for spec in info.get("forward_hooks") or []:  # hook_manager.py register_forward_hooks
+            if any(fnmatch.fnmatch("logits_processor", p) for p in spec.get("target_modules") or []):
+                hook = _factory(spec["hook_factory"])(spec.get("config") or {})
+                if hook is not None:
+                    # one process, so TP rank 0 (what sglang.srt.distributed's get_tensor_model_parallel_rank
+                    # answers there; SGLang itself is not importable beside the double)
+                    hook._tp_rank = lambda: 0
+                    self.hooks.append(hook)
 
     @torch.no_grad()
-    def run(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """(generated ids, stored rows [t + n - 1, W], final rows [t + n - 1, H])."""
-        tokens = list(ids)
+    def prefill(self, ids: list[int], rid: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stored rows [t, W], final rows [t, H], logits [t, V]) of one prompt; forward hooks run."""
         with self.lock:
-            for step in range(max(1, max_new_tokens)):  # the last pass sees the prompt and all but the last token
-                aux, last, logits = target_features(self.model, torch.tensor([tokens]), self.capture)
-                if step < max_new_tokens:
-                    tokens.append(int(logits[0, -1].argmax()))
-        stored = aux[0] if self.aux_mode and self.mode != "h_wide" else last[0]
-        return tokens[len(ids) :], stored, last[0]
+            aux, last, logits = target_features(self.model, torch.tensor([ids]), self.capture)
+        aux, last, logits = aux[0], last[0], logits[0]
+        stored = aux if self.aux_mode else last
+        if self.hooks and self.mode != "no_hook":
+            batch = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor(ids), [rid], [len(ids)], [0])
+            hook_last = aux[:, -last.shape[1] :] if self.mode == "drift_last" else last
+            out = LogitsProcessorOutput(logits[-1:], hidden_states=stored, last_hidden_states=hook_last)
+            args = (torch.tensor(ids), last, self.model.lm_head, batch, None)
+            for hook in self.hooks:
+                hook(self, args, out)
+        if self.mode == "drift_aux":
+            stored = stored + 1.0
+        return stored, last, logits
 
-    def answer(self, ids: list[int], max_new_tokens: int) -> dict:
-        generated, stored, last = self.run(ids, max_new_tokens)
-        t = len(ids) - (self.mode == "truncated")
+    def answer(self, body: dict) -> dict:
+        ids, params = body["input_ids"], body.get("sampling_params", {})
+        rid = body.get("rid") or uuid.uuid4().hex
+        stored, last, logits = self.prefill(ids, rid)
+        generated = [int(logits[-1].argmax())]  # max_new_tokens 1: the token after the prefill
+        n = int(params.get("max_new_tokens", 128))
+        if n != 1:
+            raise ValueError("the double serves max_new_tokens 1 only")
+        meta = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 1, "cached_tokens": 0}
+        meta["finish_reason"] = {"type": "length", "length": 1}
+        if body.get("return_hidden_states"):
+            meta["hidden_states"] = [stored.tolist()]
+        if body.get("return_logprob"):
+            k = int(body.get("top_logprobs_num") or 0)
+            start = int(body.get("logprob_start_len", -1))
+            if k and start == 0:
+                top = torch.log_softmax(logits.double(), -1).topk(k, dim=-1)
+                rows = [[(v, int(i), None) for v, i in zip(vals.tolist(), idx.tolist())] for vals, idx in zip(*top)]
+                meta["input_top_logprobs"] = [None] + rows[:-1]
+                meta["output_top_logprobs"] = rows[-1:]
+        return {"text": str(generated[0]), "output_ids": generated, "meta_info": meta}
 
-        def layout(rows: torch.Tensor) -> list:  # prompt block, then one row per decode step
-            return [rows[:t].tolist()] + [rows[len(ids) + k].tolist() for k in range(max_new_tokens - 1)]
 
-        meta = {"id": uuid.uuid4().hex, "prompt_tokens": len(ids), "completion_tokens": len(generated)}
-        meta.update(cached_tokens=0, finish_reason={"type": "length", "length": len(generated)})
-        meta["hidden_states"] = layout(stored)
-        if self.aux_mode:
-            meta["last_hidden_states"] = layout(last)
-        return {"text": " ".join(map(str, generated)), "output_ids": generated, "meta_info": meta}
-
-
-def server_info(args: argparse.Namespace, mode: str) -> dict:
-    info = dict(vars(args))
-    info["version"] = OLD_VERSION if mode == "old_version" else VERSION
-    return info
-
-
-def make_handler(args: argparse.Namespace, mode: str, model: HiddenStateModel):
+def make_handler(info: dict, mode: str, model: HiddenStateModel):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -132,35 +182,33 @@ def make_handler(args: argparse.Namespace, mode: str, model: HiddenStateModel):
             if self.path == "/health":
                 return self._send(200, {})
             if self.path in ("/server_info", "/get_server_info"):
-                return self._send(200, server_info(args, mode))
+                return self._send(200, {**info, "version": OLD_VERSION} if mode == "old_version" else info)
             self._send(404, {"detail": "Not Found"})
 
         def do_POST(self):
             if self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            ids, params = body.get("input_ids"), body.get("sampling_params", {})
+            ids = body.get("input_ids")
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
                 return self._send(400, {"error": {"message": "input_ids: expected a non-empty list of token ids"}})
-            if body.get("return_hidden_states") and not args.enable_return_hidden_states:
+            if body.get("return_hidden_states") and info.get("return_hidden_states_mode") is None:
                 return self._send(400, {"error": {"message": NOT_CONFIGURED}})
             if mode == "http_500":
                 return self._send(500, {"error": {"message": "CUDA out of memory (double told to fail: http_500)"}})
             if mode == "slow":
                 time.sleep(3)
-            answer = model.answer(ids, int(params.get("max_new_tokens", 128)))
-            if not body.get("return_hidden_states"):
-                for key in ("hidden_states", "last_hidden_states"):
-                    answer["meta_info"].pop(key, None)
-            self._send(200, answer)
+            self._send(200, model.answer(body))
 
     return Handler
 
 
-def make_server(args: argparse.Namespace, mode: str) -> ThreadingHTTPServer:
+def make_server(argv: list[str], mode: str) -> ThreadingHTTPServer:
     if mode not in MODES:
         raise ValueError(f"double mode {mode!r}: expected one of {MODES}")
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(args, mode, HiddenStateModel(args, mode)))
+    info = resolved_server_info(argv)  # SglangRefused: SGLang's own message
+    server = ThreadingHTTPServer(parse_port(argv), make_handler(info, mode, HiddenStateModel(info, mode)))
+    info["port"] = server.server_address[1]
     server.daemon_threads = True
     return server
 
@@ -168,7 +216,7 @@ def make_server(args: argparse.Namespace, mode: str) -> ThreadingHTTPServer:
 @contextlib.contextmanager
 def serve_extract_double(model_path, *, flags: list[str], mode: str = "ok"):
     """The double on a free port of 127.0.0.1, in a thread; yields its base URL."""
-    server = make_server(parse(["--model-path", str(model_path), "--port", "0", *flags]), mode)
+    server = make_server(["--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0", *flags], mode)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -179,10 +227,13 @@ def serve_extract_double(model_path, *, flags: list[str], mode: str = "ok"):
 
 
 def main(argv=None) -> int:
-    args = parse(argv if argv is not None else sys.argv[1:])
-    server = make_server(args, os.environ.get("EYAS_SGLANG_EXTRACT_DOUBLE_MODE", "ok"))
-    print(f"double of sglang.launch_server (aux capture) serving {args.model_path} on {args.host}:{args.port}")
-    sys.stdout.flush()
+    argv = list(argv if argv is not None else sys.argv[1:])
+    try:
+        server = make_server(argv, os.environ.get("EYAS_SGLANG_EXTRACT_DOUBLE_MODE", "ok"))
+    except SglangRefused as err:
+        print(err, file=sys.stderr)
+        return 1
+    print(f"double of sglang.launch_server (aux capture) on {server.server_address}", flush=True)
     server.serve_forever()
     return 0
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_conformance import TINY_DRAFT_CONFIG
 
 from eyas.bench.sglang import (
     LaunchFlagError,
@@ -24,6 +25,7 @@ from eyas.bench.sglang import (
 from eyas.engines.sglang import SglangLaunch, SglangServerError, build_launch_command
 
 REPO = Path(__file__).resolve().parents[1]
+TARGET = str(REPO / "fixtures" / "tiny-target")
 
 
 def free_port() -> int:
@@ -39,29 +41,25 @@ def export(tmp_path) -> Path:
     """An SGLang draft directory: config.json as export_sglang writes it and an (empty) weights file."""
     out = tmp_path / "draft"
     out.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "draft_vocab_size": 512,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True},
-    }
+    config = TINY_DRAFT_CONFIG
     (out / "config.json").write_text(json.dumps(config))
     (out / "model.safetensors").write_bytes(b"")
     return out
 
 
 def launch_for(export: Path, **kw) -> SglangLaunch:
-    return SglangLaunch(target_path="target", draft_path=str(export), python="python", **kw)
+    return SglangLaunch(target_path=TARGET, draft_path=str(export), python="python", **kw)
 
 
 def test_launch_command_is_eagle3_with_all_three_shape_flags(export):
     argv = build_launch_command(launch_for(export, steps=3, topk=1, num_draft_tokens=4, port=31000))
     assert argv == [
-        "python", "-m", "sglang.launch_server", "--model-path", "target", "--host", "127.0.0.1", "--port", "31000",
+        "python", "-m", "sglang.launch_server", "--model-path", TARGET, "--host", "127.0.0.1", "--port", "31000",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
     ]  # fmt: skip
     assert lint_launch_command(argv, shard_aux_layer_ids=[2, 4, 5]) == []
-    assert build_launch_command(launch_for(export).baseline())[3:] == ["--model-path", "target", "--host",
+    assert build_launch_command(launch_for(export).baseline())[3:] == ["--model-path", TARGET, "--host",
                                                                       "127.0.0.1", "--port", "30000"]  # fmt: skip
 
 
@@ -104,16 +102,16 @@ def test_lint_refuses_a_missing_draft_directory(tmp_path):
     assert "no config.json or model.safetensors there" in problem
 
 
-def test_tau_needs_spec_verify_ct_in_every_answer():
-    answers = [{"meta_info": {"completion_tokens": 10, "spec_verify_ct": 4}}, {"meta_info": {"completion_tokens": 6}}]
-    with pytest.raises(SglangServerError, match=r"1 answer\(s\) without meta_info.spec_verify_ct \(first: request 1\)"):
-        sglang_tau(answers, where="server")
-    assert sglang_tau(answers[:1] * 2, where="server") == (2.5, [2.5, 2.5])
+def test_tau_counts_an_answer_without_spec_verify_ct_as_zero_verify_steps():
+    answers = [{"meta_info": {"completion_tokens": 10, "spec_verify_ct": 4}}, {"meta_info": {"completion_tokens": 1}}]
+    assert sglang_tau(answers, where="server") == (2.5, [2.5, None], 1)
+    with pytest.raises(SglangServerError, match=r"none of the 2 answers has meta_info.spec_verify_ct"):
+        sglang_tau([answers[1]] * 2, where="server")
 
 
 def double_launch(export: Path) -> SglangLaunch:
     return SglangLaunch(
-        target_path="target",
+        target_path=TARGET,
         draft_path=str(export),
         port=free_port(),
         module="tests.sglang_double",
@@ -121,28 +119,31 @@ def double_launch(export: Path) -> SglangLaunch:
     )
 
 
-def test_benchmark_against_the_protocol_double(export, tmp_path, monkeypatch):
+def test_benchmark_against_the_protocol_double(export, tmp_path, monkeypatch, sglang_kit):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH", "2.5")
+    monkeypatch.setenv("EYAS_SGLANG_DOUBLE_STOP_AT_PREFILL", "11")
     monkeypatch.chdir(REPO)
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]  # the last ends at prefill: no spec_verify_ct
     result = run_sglang_benchmark(
         double_launch(export),
         prompts,
-        max_new_tokens=20,
-        concurrency=3,
+        max_new_tokens=21,
+        concurrency=4,
         shard_aux_layer_ids=[2, 4, 5],
         log_dir=tmp_path,
     )
-    assert result["engine"] == "sglang" and result["tau_mean"] == 20 / 8 and result["tau_per_prompt"] == [2.5] * 3
-    assert result["num_verify_steps"] == 24 and result["num_outputs_equal_to_greedy"] == 3
-    assert result["launch_command"][3:5] == ["--model-path", "target"] and "EAGLE3" in result["launch_command"]
+    # 20 tokens after the prefill's in ceil(20 / 2.5) = 8 verify steps; SGLang's accept length counts all 21
+    assert result["engine"] == "sglang" and result["tau_mean"] == 21 / 8
+    assert result["tau_per_prompt"] == [21 / 8] * 3 + [None] and result["num_ended_at_prefill"] == 1
+    assert result["num_verify_steps"] == 24 and result["num_outputs_equal_to_greedy"] == 4
+    assert result["launch_command"][3] == "--model-path" and "EAGLE3" in result["launch_command"]
     assert "--speculative-algorithm" not in result["baseline_command"]
     assert result["speedup_vs_greedy"] > 0
     assert (tmp_path / "sglang-eagle3.log").is_file() and (tmp_path / "sglang-baseline.log").is_file()
 
 
-def test_a_server_that_dies_at_startup_is_reported_with_its_log(export, tmp_path, monkeypatch):
+def test_a_server_that_dies_at_startup_is_reported_with_its_log(export, tmp_path, monkeypatch, sglang_kit):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("EYAS_SGLANG_DOUBLE_EXIT", "1")
     monkeypatch.chdir(REPO)

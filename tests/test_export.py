@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from eyas.dataset.vocab import VocabMappingError
 from eyas.draft import DraftArch, build_draft
 from eyas.draft_keys import KeyCheckError
-from eyas.export.convert import export_sglang
+from eyas.export.convert import convert_checkpoint, export_sglang
 from eyas.export.drafter_dir import ExportError, read_export_provenance
 from eyas.export.keys import expected_shapes
 from eyas.export.reader import load_exported_draft
@@ -135,11 +135,16 @@ def test_export_refuses_unexpected_checkpoint_keys(tmp_path):
     assert "  unexpected: layers.0.mlp.up_proj.weight (shape [128, 64])\n" in str(err.value)
 
 
-def test_export_refuses_other_than_three_aux_layers(tmp_path):
+def test_two_aux_layers_export_for_sglang_0_5_12_and_newer_only(tmp_path):
     arch = DraftArch(**{**ARCH.to_dict(), "num_aux": 2})
     ckpt = write_checkpoint(tmp_path / "ckpt", arch=arch, aux_ids=[2, 4])
-    with pytest.raises(ExportError, match=r"num_aux=2, expected 3; SGLang's LlamaForCausalLMEagle3 builds fc"):
+    with pytest.raises(ExportError, match=r"num_aux=2, expected 3 for SGLang >= 0.5.10: SGLang before 0.5.12"):
         export_sglang(ckpt, tmp_path / "export")
+    tensors, files = convert_checkpoint(read_checkpoint(ckpt), "sglang-0.5.12", None)
+    assert tensors["fc.weight"].shape[1] == 2 * ARCH.hidden_size
+    assert files["config.json"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    with pytest.raises(ExportError, match=r"num_aux=2, expected 3: EAGLE official builds fc for exactly 3"):
+        convert_checkpoint(read_checkpoint(ckpt), "eagle", None)
 
 
 def test_export_replaces_an_earlier_export_but_not_other_directories(ckpt, tmp_path):

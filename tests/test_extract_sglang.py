@@ -1,8 +1,9 @@
-"""The sglang extraction backend against a double of SGLang's aux-capture server, and the real one on a GPU.
+"""The sglang extraction backend against a double of SGLang 0.5.23's aux-capture server, and the real one on a GPU.
 
-The double (tests/sglang_extract_double.py) computes real hidden states of the random target, so the
-backend's features must equal the hf backend's. `test_real_sglang_matches_the_hf_backend` runs a real
-SGLang >= 0.5.23 behind the `gpu` marker.
+The double (tests/sglang_extract_double.py) takes its server arguments from SGLang's own resolution (the
+`sglang_kit` fixture), runs eyas's capture hook the way SGLang's hook manager does and computes real hidden
+states of the random target, so the backend's features must equal the hf backend's.
+`test_real_sglang_matches_the_hf_backend` runs a real SGLang >= 0.5.23 behind the `gpu` marker.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from eyas.config import SGLangExtractConfig
 from eyas.engines.sglang import SglangServerError, parse_version
@@ -28,7 +30,7 @@ from eyas.extract.backends.sglang import (
     SGLangVersionError,
     aux_capture_flags,
     build_extract_command,
-    parse_answer,
+    read_capture,
 )
 from tests.sglang_extract_double import serve_extract_double
 
@@ -45,8 +47,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def aux_flags(engine_ids=ENGINE) -> list[str]:
-    return aux_capture_flags(SGLangExtractConfig(), engine_ids)
+@pytest.fixture
+def capture_dir(tmp_path) -> Path:
+    out = tmp_path / "capture"
+    out.mkdir()
+    return out
+
+
+def aux_flags(capture_dir, engine_ids=ENGINE) -> list[str]:
+    return aux_capture_flags(SGLangExtractConfig(), engine_ids, capture_dir)
 
 
 def connect(url: str, target, **cfg) -> SGLangBackend:
@@ -62,40 +71,49 @@ def assert_equal_to_hf(feats, target) -> None:
         torch.testing.assert_close(last, hf_last, atol=1e-5, rtol=1e-4)
 
 
-def test_features_equal_the_hf_backends(random_target_dir):
-    with serve_extract_double(random_target_dir, flags=aux_flags()) as url:
+def test_features_equal_the_hf_backends_and_the_files_are_removed(random_target_dir, capture_dir, sglang_kit):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir)) as url:
         backend = connect(url, random_target_dir)
+        assert backend.capture_dir == capture_dir  # read from the server's forward_hooks
         feats = backend.features(SAMPLES)
         backend.close()
     assert_equal_to_hf(feats, random_target_dir)
+    assert list(capture_dir.iterdir()) == []
 
 
-def test_launch_command_has_exactly_the_aux_capture_flags():
+def test_launch_command_has_exactly_the_aux_capture_flags(random_target_dir):
     argv = build_extract_command(
         SGLangExtractConfig(port=31000, tp_size=8, mem_fraction_static=0.7, extra_args=["--dtype", "bfloat16"]),
-        target_path="target", aux_layer_ids=[2, 16, 29], python="python",
+        target_path=str(random_target_dir), aux_layer_ids=[2, 4, 6], capture_dir="/shared/cap", python="python",
     )  # fmt: skip
+    hooks = (
+        '[{"name": "eyas-capture", "target_modules": ["logits_processor", "language_model.logits_processor"], '
+        '"hook_factory": "eyas.extract.capture_hook:make_hook", "config": {"dir": "/shared/cap", "rid_prefix": '
+        '"eyas-"}}]'
+    )
     assert argv == [
-        "python", "-m", "sglang.launch_server", "--model-path", "target", "--host", "127.0.0.1", "--port", "31000",
-        "--tp-size", "8", "--mem-fraction-static", "0.7", "--pp-size", "1", "--speculative-algorithm", "EAGLE3",
-        "--enable-return-hidden-states", "--enable-return-aux-hidden-states", "--disable-radix-cache",
-        "--chunked-prefill-size", "-1", "--json-model-override-args",
-        '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "use_aux_hidden_state": true}}',
-        "--dtype", "bfloat16",
+        "python", "-m", "sglang.launch_server", "--model-path", str(random_target_dir), "--host", "127.0.0.1",
+        "--port", "31000", "--tp-size", "8", "--mem-fraction-static", "0.7", "--pp-size", "1",
+        "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids", "1", "3", "5", "--enable-return-hidden-states",
+        "--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-prefill-cuda-graph",
+        "--forward-hooks", hooks, "--dtype", "bfloat16",
     ]  # fmt: skip
 
 
-def test_extra_args_that_override_the_aux_capture_flags_are_refused():
+def test_extra_args_that_override_the_aux_capture_flags_are_refused(random_target_dir):
     cfg = SGLangExtractConfig(extra_args=["--pp-size", "2", "--speculative-algorithm=EAGLE", "--dtype", "bfloat16"])
     with pytest.raises(ValueError) as err:
-        build_extract_command(cfg, target_path="target", aux_layer_ids=AUX)
+        build_extract_command(cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, capture_dir="/c")
     assert "--pp-size, --speculative-algorithm would override what eyas sets for aux-capture mode" in str(err.value)
 
 
-def test_a_launched_server_serves_features_and_is_stopped_on_close(random_target_dir, tmp_path, monkeypatch):
+def test_a_launched_server_serves_features_and_is_stopped_on_close(
+    random_target_dir, tmp_path, monkeypatch, sglang_kit
+):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(REPO)
-    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180)
+    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, capture_dir=str(tmp_path / "cap"))
     backend = SGLangBackend(
         cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
         launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
@@ -108,113 +126,121 @@ def test_a_launched_server_serves_features_and_is_stopped_on_close(random_target
         urllib.request.urlopen(f"http://127.0.0.1:{cfg.port}/health", timeout=5)
 
 
-def test_an_old_server_is_refused_with_the_version_and_the_fix(random_target_dir):
-    with serve_extract_double(random_target_dir, flags=aux_flags(), mode="old_version") as url:
+def test_a_launch_sglang_refuses_fails_with_sglangs_message(random_target_dir, tmp_path, monkeypatch, sglang_kit):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(REPO)
+    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, extra_args=["--return-hidden-states-mode", "x"])
+    with pytest.raises(SglangServerError) as err:
+        SGLangBackend(
+            cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
+            launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
+        )  # fmt: skip
+    assert "exited with code 1 before GET /health answered 200" in str(err.value)
+    assert "argument --return-hidden-states-mode: invalid choice: 'x' (choose from 'last', 'full')" in str(err.value)
+
+
+def test_an_old_server_is_refused_with_the_version_and_the_fix(random_target_dir, capture_dir, sglang_kit):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir), mode="old_version") as url:
         with pytest.raises(SGLangVersionError) as err:
             connect(url, random_target_dir)
     assert str(err.value) == (
-        f"SGLang server {url}: version 0.5.22, expected >= 0.5.23 (the first with --enable-return-aux-hidden-states, "
-        "the aux-capture mode extraction needs); pip install -U 'sglang>=0.5.23' on the GPU machine and relaunch "
+        f"SGLang server {url}: version 0.5.22, expected >= 0.5.23 (the first with --enable-return-aux-hidden-states "
+        "and --return-aux-hidden-state-layer-ids); pip install -U 'sglang>=0.5.23' on the GPU machine and relaunch "
         "the server"
     )
 
 
-def test_h_wide_states_fail_with_the_known_causes(random_target_dir):
-    with serve_extract_double(random_target_dir, flags=aux_flags(), mode="h_wide") as url:
-        backend = connect(url, random_target_dir)
-        with pytest.raises(AuxWidthError) as err:
-            backend.features(SAMPLES)
-    message = str(err.value)
-    assert message.startswith(
-        f"SGLang server {url} sample 0 (5 tokens): aux_hidden_states width 64, expected 192 (3 layers x 64); it is H"
-    )
-    assert "SGLang needs --enable-return-aux-hidden-states" in message
-    assert "--speculative-algorithm EAGLE instead of EAGLE3" in message
+def test_a_server_whose_hook_never_fires_fails_naming_the_shared_folder(random_target_dir, capture_dir, sglang_kit):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir), mode="no_hook") as url:
+        with pytest.raises(SglangServerError) as err:
+            connect(url, random_target_dir, request_timeout_s=2).features(SAMPLES[:1])
+    assert "the server answered but wrote no " in str(err.value)
+    assert "the capture dir must be the same folder for the server and eyas" in str(err.value)
 
 
-def test_truncated_rows_fail_naming_the_sample(random_target_dir):
-    with serve_extract_double(random_target_dir, flags=aux_flags(), mode="truncated") as url:
-        with pytest.raises(AuxWidthError) as err:
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("drift_aux", "the answer's hidden states [5, 192] differ from the capture file's aux [5, 192]"),
+        ("drift_last", "LogitsProcessorOutput.last_hidden_states is not the lm_head input"),
+    ],
+)
+def test_the_canary_fails_when_the_two_channels_disagree(random_target_dir, capture_dir, sglang_kit, mode, message):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir), mode=mode) as url:
+        with pytest.raises(SglangServerError) as err:
             connect(url, random_target_dir).features(SAMPLES)
-    assert f"SGLang server {url} sample 0: 4 aux rows and 4 last rows, expected 5 (one per prompt token)" in str(
-        err.value
-    )
+    assert f"SGLang server {url}: start-up canary (5 tokens): " in str(err.value)
+    assert message in str(err.value)
 
 
-def test_an_http_error_names_the_request_status_and_the_servers_message(random_target_dir):
-    with serve_extract_double(random_target_dir, flags=aux_flags(), mode="http_500") as url:
+def test_an_http_error_names_the_request_status_and_the_servers_message(random_target_dir, capture_dir, sglang_kit):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir), mode="http_500") as url:
         with pytest.raises(SglangServerError) as err:
             connect(url, random_target_dir).features(SAMPLES[:1])
-    assert str(err.value).startswith(
-        f"SGLang server {url}: POST /generate (5 tokens): HTTP 500 from {url}/generate: "
-        '{"error": {"message": "CUDA out of memory (double told to fail: http_500)"}}; expected 200'
+    assert str(err.value).startswith(f"SGLang server {url}: POST /generate (5 tokens, rid eyas-")
+    assert (
+        f'HTTP 500 from {url}/generate: {{"error": {{"message": "CUDA out of memory (double told to fail: http_500)"}}}}'
+        in str(err.value)
     )
 
 
-def test_a_slow_answer_times_out_naming_the_setting(random_target_dir):
-    with serve_extract_double(random_target_dir, flags=aux_flags(), mode="slow") as url:
+def test_a_slow_answer_times_out_naming_the_setting(random_target_dir, capture_dir, sglang_kit):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir), mode="slow") as url:
         with pytest.raises(
             SglangServerError, match=r"no answer from .* within 1 s; raise extract.sglang.request_timeout_s"
         ):
             connect(url, random_target_dir, request_timeout_s=1).features(SAMPLES[:1])
 
 
-def test_an_unreachable_server_url_is_reported():
+def test_an_unreachable_server_url_is_reported(random_target_dir):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SglangServerError, match=rf"SGLang server {url}: cannot reach {url}/server_info \("):
-        connect(url, "target")
+        connect(url, random_target_dir)
 
 
-def test_a_server_not_in_aux_capture_mode_is_refused_before_any_request(random_target_dir):
-    flags = aux_flags(engine_ids=AUX)
-    flags[flags.index("EAGLE3")] = "EAGLE"
-    flags.remove("--disable-radix-cache")
+def test_a_server_not_set_up_for_extraction_is_refused_before_any_request(random_target_dir, capture_dir, sglang_kit):
+    flags = aux_flags(capture_dir, engine_ids=AUX)  # canonical ids given as SGLang's: one layer off
+    for flag in ("--disable-radix-cache", "--disable-prefill-cuda-graph"):
+        flags.remove(flag)
+    i = flags.index("--forward-hooks")
+    del flags[i : i + 2]
     with serve_extract_double(random_target_dir, flags=flags) as url:
         with pytest.raises(SglangServerError) as err:
             connect(url, random_target_dir)
     problems = str(err.value).splitlines()
-    assert problems[0] == f"SGLang server {url} (version 0.5.23) is not in aux-capture mode as extraction needs:"
-    assert problems[1].startswith("  speculative_algorithm='EAGLE', expected 'EAGLE3': with EAGLE or none")
-    assert problems[2].startswith("  disable_radix_cache=False, expected True: a cached prompt prefix")
+    assert problems[0] == f"SGLang server {url} (version 0.5.23) is not set up for extraction:"
+    assert problems[1].startswith("  disable_radix_cache=False, expected True: a cached prompt prefix")
+    assert problems[2].startswith("  disable_prefill_cuda_graph=False, expected True: a prefill replayed")
     assert problems[3] == (
-        "  captures eagle_config.eagle_aux_hidden_state_layer_ids=[2, 4, 5] (hidden_states [3, 5, 6]), expected "
-        "[1, 3, 4] (sglang_llama; hidden_states [2, 4, 5], the run's target.aux_layer_ids); launch with "
-        '--json-model-override-args \'{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], '
-        '"use_aux_hidden_state": true}}\''
+        "  return_aux_hidden_state_layer_ids=[2, 4, 5] (hidden_states [3, 5, 6]), expected [1, 3, 4] (sglang_llama: "
+        "hidden_states [2, 4, 5], the run's target.aux_layer_ids); launch with --return-aux-hidden-state-layer-ids "
+        "1 3 4"
     )
+    assert problems[4].startswith("  forward_hooks=None: expected eyas's capture hook")
 
 
-def answer(**meta) -> dict:
-    return {"text": "", "output_ids": [1], "meta_info": {"prompt_tokens": 2, **meta}}
+def capture(path: Path, ids, aux, last) -> Path:
+    save_file({"input_ids": torch.tensor(ids), "aux": aux, "last": last}, str(path))
+    return path
 
 
-def test_parse_keeps_the_prompt_rows_and_drops_generated_tokens_rows():
-    prompt_aux, prompt_last = [[1.0] * 6, [2.0] * 6], [[3.0, 3.5], [4.0, 4.5]]
-    a = answer(hidden_states=[prompt_aux, [9.0] * 6], last_hidden_states=[prompt_last, [9.0] * 2])
-    aux, last = parse_answer(a, num_aux=3, hidden_size=2, where="w")
-    assert aux.tolist() == prompt_aux and last.tolist() == prompt_last and aux.dtype == torch.float32
-
-
-@pytest.mark.parametrize(
-    "bad, message",
-    [
-        ({"text": "x"}, "w: answer without a meta_info object: {'text': 'x'}; expected SGLang's /generate answer"),
-        (answer(), "w: meta_info.hidden_states is absent, expected a list whose first element holds the prompt's "
-                   "rows; the server returned no hidden states: launch it with --enable-return-hidden-states"),
-        (answer(hidden_states=[[[1.0] * 6, [1.0] * 5]]), "w: meta_info.hidden_states[0] is not a rectangular "
-                                                         "[prompt tokens][width] list of numbers"),
-        (answer(hidden_states=[[1.0] * 6]), "w: meta_info.hidden_states[0] has shape [6], expected [prompt tokens, "
-                                            "width]"),
-        (answer(hidden_states=[[[1.0] * 6]]), "w: meta_info.last_hidden_states is absent, expected a list whose first "
-                                              "element holds the prompt's rows; the server returned the aux states "
-                                              "but not the final layer's: expected SGLang >= 0.5.23 launched with "
-                                              "--enable-return-aux-hidden-states"),
-    ],
-)  # fmt: skip
-def test_malformed_answers_are_refused_with_what_was_found(bad, message):
-    with pytest.raises(SglangServerError) as err:
-        parse_answer(bad, num_aux=3, hidden_size=2, where="w")
-    assert str(err.value).startswith(message)
+def test_a_capture_file_is_checked_for_token_ids_widths_and_dtype(tmp_path):
+    rows = torch.zeros(3, 6, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.bfloat16)
+    path = capture(tmp_path / "a.safetensors", [1, 2, 3], *rows)
+    aux, last = read_capture(path, [1, 2, 3], num_aux=3, hidden_size=2, where="w")
+    assert aux.dtype == torch.bfloat16 and aux.shape == (3, 6) and last.shape == (3, 2)
+    with pytest.raises(
+        SglangServerError, match=r"holds 3 token ids that differ from the 3 sent \(first at position 2\)"
+    ):
+        read_capture(path, [1, 2, 4], num_aux=3, hidden_size=2, where="w")
+    with pytest.raises(AuxWidthError, match=r"aux_hidden_states width 6, expected 12"):
+        read_capture(path, [1, 2, 3], num_aux=3, hidden_size=4, where="w")
+    ints = capture(tmp_path / "b.safetensors", [1, 2, 3], torch.zeros(3, 6, dtype=torch.int32), rows[1])
+    with pytest.raises(SglangServerError, match=r"aux is torch.int32 of shape \[3, 6\], expected a 2-D bfloat16"):
+        read_capture(ints, [1, 2, 3], num_aux=3, hidden_size=2, where="w")
+    (tmp_path / "c.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SglangServerError, match=r"capture file .*c.safetensors is unreadable"):
+        read_capture(tmp_path / "c.safetensors", [1], num_aux=3, hidden_size=2, where="w")
 
 
 def test_config_refuses_launch_settings_beside_a_server_url():
@@ -233,7 +259,7 @@ def test_real_sglang_matches_the_hf_backend(tiny_target_dir, tmp_path):
     if (parse_version(version) or (0, 0, 0)) < MIN_SGLANG_VERSION:
         pytest.skip(f"sglang {version} is older than {MIN_SGLANG_VERSION}: no aux-capture mode")
     cfg = SGLangExtractConfig(
-        port=free_port(), mem_fraction_static=0.3, startup_timeout_s=900,
+        port=free_port(), mem_fraction_static=0.3, startup_timeout_s=900, capture_dir=str(tmp_path / "capture"),
         extra_args=["--dtype", "float32", "--disable-cuda-graph"],
     )  # fmt: skip
     hidden = 128

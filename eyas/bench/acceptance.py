@@ -33,11 +33,10 @@ from eyas.bench.reference import (
     pooled_tau,
     reference_decode,
 )
-from eyas.bench.sglang import run_sglang_benchmark
+from eyas.bench.sglang import bench_launch, run_sglang_benchmark
 from eyas.config import RunConfig
 from eyas.dataset.prompts import prompt_token_ids, read_prompts
 from eyas.draft import build_draft
-from eyas.engines.sglang import SglangLaunch
 from eyas.export.drafter_dir import read_export_provenance
 from eyas.export.reader import load_exported_draft
 from eyas.fsio import atomic_write_text, read_json_record
@@ -231,17 +230,8 @@ def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
     b = config.bench
     prompts = [r["conversations"] for r in read_prompts(b.prompts_path, b.num_prompts)]
     if b.engine == "sglang":
-        launch = SglangLaunch(
-            target_path=config.target.model_path,
-            draft_path=str(export_dir),
-            steps=b.num_steps,
-            topk=b.topk,
-            num_draft_tokens=b.draft_tokens,
-            port=b.sglang_port,
-            extra_args=tuple(b.sglang_extra_args),
-        )
         result = run_sglang_benchmark(
-            launch,
+            bench_launch(config, export_dir),
             encode_prompts(prompts, config.target.model_path),
             max_new_tokens=b.max_new_tokens,
             concurrency=b.sglang_concurrency,

@@ -25,12 +25,11 @@ from eyas.bench.sglang import lint_launch_command
 from eyas.config import RunConfig
 from eyas.dataset.vocab import check_vocab_mapping
 from eyas.draft import DraftArch, ttt_loss
-from eyas.engines.sglang import SGLANG_LAYER_ID_CONVENTION
 from eyas.export.configs import read_config
 from eyas.export.keys import check_keys, expected_shapes
 from eyas.export.reader import load_exported_draft
 from eyas.fsio import atomic_write_text, read_json_record
-from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids
+from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids, sglang_convention, target_layout
 from eyas.shards.format import ShardMeta, read_shard_layout
 from eyas.shards.manifest import MANIFEST_NAME, read_manifest
 from eyas.shards.reader import ShardSamples
@@ -131,15 +130,17 @@ def _export_checks(export_dir: Path, config: dict, shapes: dict) -> list[Check]:
     return checks
 
 
-def _layer_ids(config: dict, shard_meta: ShardMeta | None) -> Check:
+def _layer_ids(config: dict, shard_meta: ShardMeta | None, target_path: str | Path) -> Check:
     engine = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if engine is None or shard_meta is None:
         return Check("layer_id_convention", False, f"layer ids missing: export {engine}, shards {shard_meta}")
-    canonical = from_engine_layer_ids(list(engine), SGLANG_LAYER_ID_CONVENTION)
+    # SGLang numbers a draft's ids by the target's family (eyas.layer_ids.sglang_convention)
+    engine_convention = sglang_convention(target_layout(json.loads((Path(target_path) / "config.json").read_text()))[0])
+    canonical = from_engine_layer_ids(list(engine), engine_convention)
     shards, convention = list(shard_meta.aux_layer_ids), shard_meta.layer_id_convention
     if canonical != shards or convention != LAYER_ID_CONVENTION:
         detail = (
-            f"export eagle_aux_hidden_state_layer_ids {engine} ({SGLANG_LAYER_ID_CONVENTION}) = hidden_states "
+            f"export eagle_aux_hidden_state_layer_ids {engine} ({engine_convention}) = hidden_states "
             f"{canonical}, shards extracted at {shards} ({convention}); the engine captures other layers than "
             "training saw"
         )
@@ -147,7 +148,7 @@ def _layer_ids(config: dict, shard_meta: ShardMeta | None) -> Check:
     return Check(
         "layer_id_convention",
         True,
-        f"export {engine} ({SGLANG_LAYER_ID_CONVENTION}) = shards {shards} ({LAYER_ID_CONVENTION})",
+        f"export {engine} ({engine_convention}) = shards {shards} ({LAYER_ID_CONVENTION})",
     )
 
 
@@ -198,7 +199,7 @@ def diagnose(
     export_dir, shards_dir = Path(export_dir), Path(shards_dir)
     config, shapes = _export_tensors(export_dir)
     widths, shard_meta = _shard_widths(shards_dir, config.get("hidden_size"))
-    checks = [widths, *_export_checks(export_dir, config, shapes), _layer_ids(config, shard_meta)]
+    checks = [widths, *_export_checks(export_dir, config, shapes), _layer_ids(config, shard_meta, target_path)]
     shard_ids = list(shard_meta.aux_layer_ids) if shard_meta is not None else None
     checks.append(_launch_flags(launch_argv, shard_ids))
     checks.append(_accuracy_check(export_dir, shards_dir, target_path, num_samples, steps, min_accuracy))

@@ -28,10 +28,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from eyas.config import RunConfig
 from eyas.engines.sglang import (
     SGLANG_ALGORITHM,
     SGLANG_DRAFT_ARCHITECTURE,
-    SGLANG_LAYER_ID_CONVENTION,
     SPEC_SHAPE_FLAGS,
     SglangLaunch,
     SglangServer,
@@ -39,7 +39,7 @@ from eyas.engines.sglang import (
     build_launch_command,
     request_json,
 )
-from eyas.layer_ids import from_engine_layer_ids
+from eyas.layer_ids import from_engine_layer_ids, sglang_convention, target_layout
 
 
 class LaunchFlagError(ValueError):
@@ -77,7 +77,7 @@ def _lint_shape(flags: dict[str, str]) -> list[str]:
     return []
 
 
-def _lint_draft(draft_path: str, shard_aux_layer_ids: list[int] | None) -> list[str]:
+def _lint_draft(draft_path: str, shard_aux_layer_ids: list[int] | None, convention: str) -> list[str]:
     root = Path(draft_path)
     config_path = root / "config.json"
     if not config_path.is_file() or not (root / "model.safetensors").is_file():
@@ -102,14 +102,26 @@ def _lint_draft(draft_path: str, shard_aux_layer_ids: list[int] | None) -> list[
         )
     engine_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if shard_aux_layer_ids is not None:
-        canonical = None if engine_ids is None else from_engine_layer_ids(engine_ids, SGLANG_LAYER_ID_CONVENTION)
+        canonical = None if engine_ids is None else from_engine_layer_ids(engine_ids, convention)
         if canonical != list(shard_aux_layer_ids):
             problems.append(
                 f"draft {config_path}: eagle_config.eagle_aux_hidden_state_layer_ids={engine_ids} "
-                f"({SGLANG_LAYER_ID_CONVENTION}) captures hidden_states {canonical}, but the shards were "
+                f"({convention}) captures hidden_states {canonical}, but the shards were "
                 f"extracted at {list(shard_aux_layer_ids)} (hf_hidden_states); re-export with the shards' ids"
             )
     return problems
+
+
+def _target_convention(flags: dict[str, str]) -> tuple[str, list[str]]:
+    """(the numbering SGLang reads the draft's ids in for the --model-path target's family, problems)."""
+    model = flags.get("--model-path", flags.get("--model", ""))
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return "sglang_llama", [
+            f"launch flags: --model-path {model} has no config.json here; expected the target's model directory "
+            "(its architectures decide how SGLang numbers the draft's aux layers)"
+        ]
+    return sglang_convention(target_layout(json.loads(config.read_text()))[0]), []
 
 
 def lint_launch_command(argv: list[str], *, shard_aux_layer_ids: list[int] | None = None) -> list[str]:
@@ -130,7 +142,8 @@ def lint_launch_command(argv: list[str], *, shard_aux_layer_ids: list[int] | Non
         if draft is None:
             problems.append("launch flags: --speculative-algorithm without --speculative-draft-model-path")
         else:
-            problems += _lint_draft(draft, shard_aux_layer_ids)
+            convention, unknown = _target_convention(flags) if shard_aux_layer_ids is not None else ("", [])
+            problems += unknown or _lint_draft(draft, shard_aux_layer_ids, convention)
     pp = flags.get("--pp-size", flags.get("--pipeline-parallel-size", "1"))
     if pp != "1":
         problems.append(f"launch flags: pipeline parallel size {pp}, expected 1; aux capture sees the last stage only")
@@ -169,18 +182,38 @@ def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, co
     return answers, time.perf_counter() - start
 
 
-def sglang_tau(answers: list[dict], where: str) -> tuple[float, list[float]]:
-    """(pooled completion_tokens / spec_verify_ct, per-request values)."""
-    missing = [i for i, a in enumerate(answers) if not a["meta_info"].get("spec_verify_ct")]
-    if missing:
-        raise SglangServerError(
-            f"{where}: {len(missing)} answer(s) without meta_info.spec_verify_ct (first: request {missing[0]}); "
-            "expected every answer of a speculative server to count its verification steps: the server ran "
-            "without speculation (check --speculative-algorithm)"
-        )
+def sglang_tau(answers: list[dict], where: str) -> tuple[float, list[float | None], int]:
+    """(pooled completion_tokens / spec_verify_ct, per-request values, answers ended at prefill).
+
+    SGLang adds spec_verify_ct only when it is > 0 (managers/tokenizer_manager.py, `_calculate_spec_decoding_
+    metrics`): an answer that ended at prefill (its first token was the end) has none and counts as 0 verify
+    steps; its per-request value is None and its one token is left out of tau (no verify step produced it) but
+    counted in the throughput. When no answer has spec_verify_ct the server ran without speculation."""
     metas = [a["meta_info"] for a in answers]
-    per = [m["completion_tokens"] / m["spec_verify_ct"] for m in metas]
-    return sum(m["completion_tokens"] for m in metas) / sum(m["spec_verify_ct"] for m in metas), per
+    verify = [int(m.get("spec_verify_ct") or 0) for m in metas]
+    if answers and not any(verify):
+        raise SglangServerError(
+            f"{where}: none of the {len(answers)} answers has meta_info.spec_verify_ct; expected a speculative "
+            "server to count its verification steps: the server ran without speculation (check "
+            "--speculative-algorithm)"
+        )
+    per = [m["completion_tokens"] / v if v else None for m, v in zip(metas, verify)]
+    spoken = sum(m["completion_tokens"] for m, v in zip(metas, verify) if v)
+    return spoken / sum(verify), per, verify.count(0)
+
+
+def bench_launch(config: RunConfig, export_dir: str | Path) -> SglangLaunch:
+    """The speculative server of the run's benchmark (`.baseline()`: the same without the draft)."""
+    b = config.bench
+    return SglangLaunch(
+        target_path=config.target.model_path,
+        draft_path=str(export_dir),
+        steps=b.num_steps,
+        topk=b.topk,
+        num_draft_tokens=b.draft_tokens,
+        port=b.sglang_port,
+        extra_args=tuple(b.sglang_extra_args),
+    )
 
 
 def run_sglang_benchmark(
@@ -200,14 +233,15 @@ def run_sglang_benchmark(
         spec, wall_spec = run_prompts(url, prompts, max_new_tokens, concurrency)
     with SglangServer(launch.baseline(), Path(log_dir) / "sglang-baseline.log", startup_timeout_s) as url:
         base, wall_base = run_prompts(url, prompts, max_new_tokens, concurrency)
-    tau, per_prompt = sglang_tau(spec, where=f"SGLang server {launch.base_url}")
+    tau, per_prompt, prefill_only = sglang_tau(spec, where=f"SGLang server {launch.base_url}")
     tokens_spec = sum(a["meta_info"]["completion_tokens"] for a in spec)
     tokens_base = sum(a["meta_info"]["completion_tokens"] for a in base)
     return {
         "engine": "sglang",
         "tau_mean": tau,
         "tau_per_prompt": per_prompt,
-        "num_verify_steps": sum(a["meta_info"]["spec_verify_ct"] for a in spec),
+        "num_verify_steps": sum(int(a["meta_info"].get("spec_verify_ct") or 0) for a in spec),
+        "num_ended_at_prefill": prefill_only,
         "speedup_vs_greedy": (tokens_spec / wall_spec) / (tokens_base / wall_base),
         "wall_s_speculative": wall_spec,
         "wall_s_greedy": wall_base,

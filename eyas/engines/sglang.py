@@ -25,7 +25,6 @@ import httpx
 
 SGLANG_ALGORITHM = "EAGLE3"
 SGLANG_DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
-SGLANG_LAYER_ID_CONVENTION = "sglang_llama"
 SPEC_SHAPE_FLAGS = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
 

@@ -23,7 +23,6 @@ from eyas.dataset.vocab import check_vocab_mapping
 from eyas.export.configs import TargetRef, write_config
 from eyas.export.drafter_dir import CONFIG_FILE, PROVENANCE_FILE, ExportError, write_export_dir
 from eyas.export.keys import (
-    SGLANG_NUM_AUX,
     check_keys,
     expected_shapes,
     format_convention,
@@ -31,7 +30,7 @@ from eyas.export.keys import (
     invert_key_map,
     remap_keys,
 )
-from eyas.export.serving import SGLANG_FORMAT_SINCE, option_problems
+from eyas.export.serving import SGLANG_FORMAT_SINCE, num_aux_problem, option_problems
 from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.train.checkpoint import (
     ARCH_FILE,
@@ -46,8 +45,6 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 EYAS_VERSION = version("eyas")
 SGLANG_EXPORT = "sglang"  # the export stage writes RUN/export/sglang
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Formats whose engine builds fc for exactly SGLANG_NUM_AUX aux layers.
-_THREE_AUX_FORMATS = ("sglang", "sglang-0.5.12", "eagle")
 
 
 def convert_checkpoint(
@@ -72,11 +69,9 @@ def convert_checkpoint(
         raise ExportError(f"{where}: {err}") from err
     if unserved:
         raise ExportError(f"{where}: the draft's options cannot be served by format {to}: " + "; ".join(unserved))
-    if to in _THREE_AUX_FORMATS and ckpt.arch.num_aux != SGLANG_NUM_AUX:
-        raise ExportError(
-            f"{where}: num_aux={ckpt.arch.num_aux}, expected {SGLANG_NUM_AUX}; SGLang's LlamaForCausalLMEagle3 "
-            f"builds fc for exactly {SGLANG_NUM_AUX} aux layers: train with 3 aux layer ids"
-        )
+    aux_problem = num_aux_problem(ckpt.arch.num_aux, to, sglang_version)
+    if aux_problem:
+        raise ExportError(f"{where}: {aux_problem}")
     check_vocab_mapping(ckpt.state["d2t"], ckpt.state["t2d"], where, ckpt.arch.draft_vocab_size)
     key_map = fmt.key_map_for(ckpt.arch)
     needed = set(invert_key_map(key_map).values())

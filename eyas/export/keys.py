@@ -73,9 +73,6 @@ FORMATS: dict[str, Format] = {
     )
 }
 
-# SGLang's LlamaForCausalLMEagle3 builds fc as Linear(3 * target_hidden_size, hidden_size).
-SGLANG_NUM_AUX = 3
-
 
 def format_convention(fmt: str, target_architectures: list[str] | None = None) -> str:
     """The layer-id convention a `fmt` config is written in for a target of these architectures: SGLang reads

@@ -8,6 +8,8 @@ Read in each engine's code, not assumed. SGLang: `sglang/srt/models/llama_eagle3
 - 0.5.12: renames midlayer to layers.0 (`legacy_name_map`: both key sets load); `fc_norm` (or the legacy
   `use_aux_norm`) builds one RMSNorm per aux chunk before fc; `norm_output` hands the normed hidden state
   to the next draft step (LlamaModel.forward: `aux = hidden_states_to_logits if self.norm_output`).
+- aux count: 0.5.10 and 0.5.11 build fc for exactly 3 aux layers (`hidden_size_in * 3`); from 0.5.12 it is
+  `num_aux_hidden_states`, else len(eagle_config.eagle_aux_hidden_state_layer_ids), else 3.
 - 0.5.17: `norm_before_fc` (eagle_config, else the top level): one RMSNorm over the concatenated aux
   input, `input_norm.weight`.
 - no version: `norm_before_residual`; the first layer's residual is always the raw hidden input.
@@ -32,6 +34,8 @@ SGLANG_OPTION_SINCE: dict[str, str | None] = {
 }
 SGLANG_OLDEST = "0.5.10"  # the oldest release these tables were read in; format "sglang" serves it and later
 SGLANG_LAYERS0_SINCE = "0.5.12"  # the first release that loads layers.0.* (format sglang-0.5.12)
+SGLANG_ANY_NUM_AUX_SINCE = "0.5.12"  # before it, fc takes exactly 3 aux layers
+FIXED_NUM_AUX = 3  # older SGLang, and EAGLE official's cnets.py: fc = Linear(3 * H, H)
 # The oldest SGLang release each SGLang format is for.
 SGLANG_FORMAT_SINCE = {"sglang": SGLANG_OLDEST, "sglang-0.5.12": SGLANG_LAYERS0_SINCE}
 # Draft options each non-SGLang destination runs.
@@ -65,11 +69,13 @@ def sglang_options(version: str) -> tuple[str, ...]:
     return tuple(o for o, since in SGLANG_OPTION_SINCE.items() if since is not None and _version(since) <= v)
 
 
-_SGLANG_KEYS = ("sglang", "sglang-0.5.12", "vllm", "eagle")
+# A vllm-format export fills SGLang's key set but keeps its layer ids at the top level, where SGLang does not
+# look (it reads eagle_config only: spec_aux_hidden_state.py), so SGLang captures its default layers: not served.
+_SGLANG_KEYS = ("sglang", "sglang-0.5.12", "eagle")
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
-        Engine("sglang<=0.5.11", ("sglang", "vllm", "eagle"), sglang_options("0.5.11")),
+        Engine("sglang<=0.5.11", ("sglang", "eagle"), sglang_options("0.5.11")),
         Engine("sglang>=0.5.12", _SGLANG_KEYS, sglang_options("0.5.12")),
         Engine("sglang>=0.5.17", _SGLANG_KEYS, sglang_options("0.5.17")),
         Engine("vllm", ("sglang", "sglang-0.5.12", "vllm", "speculators", "eagle"), FORMAT_OPTIONS["vllm"]),
@@ -92,6 +98,22 @@ def destination_options(fmt: str, sglang_version: str | None = None) -> tuple[st
     if sglang_version is not None:
         raise ValueError(f"an SGLang version ({sglang_version}) applies to the sglang formats only, not to {fmt}")
     return FORMAT_OPTIONS[fmt]
+
+
+def num_aux_problem(num_aux: int, fmt: str, sglang_version: str | None = None) -> str | None:
+    """Why a draft with `num_aux` aux layers would not load in an export to `fmt`; None when it does."""
+    if num_aux == FIXED_NUM_AUX or fmt not in (*SGLANG_FORMAT_SINCE, "eagle"):
+        return None
+    if fmt == "eagle":
+        return f"num_aux={num_aux}, expected {FIXED_NUM_AUX}: EAGLE official builds fc for exactly 3 aux layers"
+    oldest = sglang_version or SGLANG_FORMAT_SINCE[fmt]
+    if _version(oldest) >= _version(SGLANG_ANY_NUM_AUX_SINCE):
+        return None
+    return (
+        f"num_aux={num_aux}, expected {FIXED_NUM_AUX} for SGLang >= {oldest}: SGLang before "
+        f"{SGLANG_ANY_NUM_AUX_SINCE} builds fc for exactly 3 aux layers; export with --sglang-version "
+        f"{SGLANG_ANY_NUM_AUX_SINCE} (or newer) if every server runs it, or train with 3 aux layer ids"
+    )
 
 
 def option_problems(options: tuple[str, ...], fmt: str, sglang_version: str | None = None) -> list[str]:

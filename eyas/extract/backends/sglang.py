@@ -1,53 +1,40 @@
-"""The `sglang` hidden-state backend: an SGLang server (>= 0.5.23) in aux-capture mode, over HTTP.
+"""The `sglang` hidden-state backend: a stock SGLang 0.5.23 server in aux-capture mode with eyas's capture hook.
 
-    backend = SGLangBackend(cfg.extract.sglang, target_path="meta-llama/Llama-3.1-8B-Instruct",
-                            aux_layer_ids=[2, 16, 29], hidden_size=4096)
-    [(aux, last), ...] = backend.features([ids_0, ids_1])   # aux [t_i, 3*4096], last [t_i, 4096], float32
+    backend = SGLangBackend(cfg.extract.sglang, target_path="/models/Kimi-K2.5", aux_layer_ids=[2, 31, 58],
+                            hidden_size=7168)
+    [(aux, last), ...] = backend.features([ids_0, ids_1])   # aux [t_i, 3*7168], last [t_i, 7168]
     backend.close()
 
-On a GPU box, eyas launches this server itself when `extract.sglang.server_url` is empty (port, tp size
-and memory fraction from `extract.sglang`; the ids are the run's `target.aux_layer_ids` less 1):
+The server (launched here when `extract.sglang.server_url` is empty; `eyas engine-command CONFIG --stage
+extract` prints the command for a server started by hand) runs the target once per prompt and, through
+SGLang's documented --forward-hooks, eyas's capture module (eyas.extract.capture_hook) writes each request's
+rows to `<capture dir>/<rid>.safetensors`: the aux layers [t, n_aux*H] and the final-norm states [t, H] the
+draft trains against, in the model's dtype. The client sends POST /generate {"input_ids", "rid",
+"sampling_params": {"max_new_tokens": 1}} without return_hidden_states, waits for the file, checks its
+token ids, rows, widths and dtype, and deletes it once read. Server and client therefore share a filesystem
+(one machine, or the capture dir on a shared volume).
 
-    python -m sglang.launch_server --model-path TARGET --host 127.0.0.1 --port 30000 \\
-        --tp-size 1 --mem-fraction-static 0.8 --pp-size 1 --speculative-algorithm EAGLE3 \\
-        --enable-return-hidden-states --enable-return-aux-hidden-states --disable-radix-cache \\
-        --chunked-prefill-size -1 \\
-        --json-model-override-args '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "use_aux_hidden_state": true}}'
+What SGLang 0.5.23 does with the flags (sglang/srt/arg_groups/validation_hook.py
+`handle_aux_hidden_state_capture`, serving_hook.py `handle_return_hidden_states_mode`, checked against
+SGLang's own code by tests/test_sglang_conformance.py):
+- --speculative-algorithm EAGLE3 --enable-return-aux-hidden-states names the capture convention and then
+  resets speculative_algorithm to null: /server_info reports `speculative_algorithm: null` and
+  `aux_hidden_state_capture: "eagle3"`; no draft model may be given.
+- --return-aux-hidden-state-layer-ids a b c (space-separated) picks the layers, in SGLang's numbering for
+  the target's family (eyas.layer_ids.sglang_convention): Llama/Qwen capture the input of layer id+1;
+  DeepSeek/Kimi add 1 only when the first id is 1. The ids in eagle_config of --json-model-override-args are
+  ignored in this mode.
+- --enable-return-hidden-states sets return_hidden_states_mode "full", so every prefill keeps every row:
+  LogitsProcessorOutput.hidden_states (aux) and .last_hidden_states (final, never in a response).
+- --disable-radix-cache and --chunked-prefill-size -1: each prompt is computed whole in one prefill;
+  --disable-prefill-cuda-graph: prefills run eagerly, where forward hooks fire.
 
-To reuse a server started by hand with that command, point eyas at it in the run config:
-`"extract": {"backend": "sglang", "sglang": {"server_url": "http://GPU-HOST:30000"}}`.
-`eyas.extract.backends.sglang.build_extract_command(cfg, target_path=..., aux_layer_ids=...)` gives the exact argv.
-
-Protocol, as SGLang's sources show it (sgl-project/sglang, python/sglang/srt/...):
-- POST /generate {"input_ids": [...], "sampling_params": {"temperature": 0, "max_new_tokens": 1},
-  "return_hidden_states": true}; the server refuses it (HTTP 400) unless started with
-  --enable-return-hidden-states (managers/tokenizer_manager.py, `_validate_one_request`).
-- The answer's `meta_info["hidden_states"]` is a list: element 0 holds the prompt's rows, [prompt tokens]
-  [width] floats (the prefill slice of the request, `.cpu().tolist()`, so JSON numbers that round-trip the
-  model dtype exactly); each decode step then appends one [width] row
-  (managers/scheduler_output_processor_mixin.py). With max_new_tokens 1 no decode step runs; any later
-  rows are generated tokens' and dropped here.
-- The prefill slice is `len(origin_input_ids)` rows of the last extend chunk: a radix-cache hit (prefix not
-  recomputed) or a chunked prefill would misalign it, hence --disable-radix-cache and --chunked-prefill-size -1.
-- Under --speculative-algorithm EAGLE3 the target captures aux states and the stored hidden states are
-  `torch.cat(aux_hidden_states, -1)`, n_aux*H wide, in layer order (layers/logits_processor.py); otherwise
-  (EAGLE, none) they are the final layer's, H wide. Llama/Qwen capture `layers_to_capture = [id + 1 ...]`
-  for the configured `eagle_aux_hidden_state_layer_ids` (the input of layer id+1, HF hidden_states[id+1]);
-  without ids SGLang captures [2, N//2, N-3] (models/llama.py, `set_eagle3_layers_to_capture`).
-- GET /server_info answers the server args (`speculative_algorithm`, `pp_size`, `disable_radix_cache`,
-  `chunked_prefill_size`, `enable_return_hidden_states`, `json_model_override_args`, ...) and "version"
-  (entrypoints/http_server.py; /get_server_info is its deprecated alias).
-
-Not confirmed against SGLang's source for the >= 0.5.23 aux-capture mode: that
---enable-return-aux-hidden-states, with EAGLE3 and no draft path, makes the target capture the aux layers
-named by the target config's `eagle_config.eagle_aux_hidden_state_layer_ids` (set here through
---json-model-override-args, in the sglang_llama numbering), keeps `meta_info["hidden_states"]` as the aux
-concatenation above, and adds `meta_info["last_hidden_states"]` in the same layout with the final layer's
-(normed, lm_head-input) states; and that /server_info reports the flag as `enable_return_aux_hidden_states`
-(checked only when present). The field names live in AUX_FIELD / LAST_FIELD and the flags in
-`aux_capture_flags`; every answer is checked (widths, rows per prompt token), so a server that differs fails
-on the first batch with the list of likely causes instead of writing wrong features.
-Cost: JSON numbers take about 10x the bytes of bf16 tensors; keep extract.batch_size modest for long samples.
+Start-up canary: one short prompt sent with return_hidden_states and return_logprob (logprob_start_len 0,
+top_logprobs_num 1) is read through both channels: its JSON aux rows must equal the file's, and the argmax
+of the file's final states times the target's lm_head must equal SGLang's top-1 logprob at every position
+(input_top_logprobs[p + 1]; the last position's is output_top_logprobs[0]). A change in SGLang's internal
+fields therefore fails on the first request, not after hours. JSON hidden states are nested floats (about
+7 ms of client CPU a token at 3 x 7168, bench/engine_io.py): fine for one canary, not for 87.8M tokens.
 """
 
 from __future__ import annotations
@@ -55,16 +42,19 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from eyas.config import SGLangExtractConfig
 from eyas.engines.sglang import (
     SGLANG_ALGORITHM,
-    SGLANG_LAYER_ID_CONVENTION,
     SglangLaunch,
     SglangServer,
     SglangServerError,
@@ -73,45 +63,55 @@ from eyas.engines.sglang import (
     request_json,
 )
 from eyas.extract.backends.base import check_aux_width, check_feature_widths
-from eyas.layer_ids import from_engine_layer_ids, to_engine_layer_ids
+from eyas.extract.capture_hook import CaptureError, capture_file
+from eyas.layer_ids import from_engine_layer_ids, sglang_convention, target_layout, to_engine_layer_ids
+from eyas.target import read_safetensors_header
 
 MIN_SGLANG_VERSION = (0, 5, 23)
-AUX_FIELD = "hidden_states"  # meta_info key: [prompt rows [t][n_aux*H], then one row per generated token]
-LAST_FIELD = "last_hidden_states"  # meta_info key, same layout, width H (assumed, see the module docstring)
-MAX_NEW_TOKENS = 1  # SGLang samples one token after the prefill; the prompt's rows come with it
+MAX_NEW_TOKENS = 1  # SGLang samples one token after the prefill; the prompt's rows are what eyas keeps
 UPGRADE = "pip install -U 'sglang>=0.5.23' on the GPU machine and relaunch the server"
-
-# (server_info field, required value, launch flag, why): the server args extraction depends on.
-SERVER_REQUIREMENTS = (
-    ("speculative_algorithm", SGLANG_ALGORITHM, f"--speculative-algorithm {SGLANG_ALGORITHM}",
-     "with EAGLE or none the server returns the last layer's states (H wide), not the aux layers'"),
-    ("pp_size", 1, "--pp-size 1", "aux capture sees the last pipeline stage only"),
-    ("disable_radix_cache", True, "--disable-radix-cache",
-     "a cached prompt prefix is not recomputed, so its rows are missing or misaligned"),
-    ("chunked_prefill_size", -1, "--chunked-prefill-size -1",
-     "a chunked prompt returns the rows of its last chunk only, misaligned"),
-    ("enable_return_hidden_states", True, "--enable-return-hidden-states",
-     "the server refuses requests for hidden states"),
-)  # fmt: skip
+CAPTURE_HOOK_NAME = "eyas-capture"
+CAPTURE_HOOK_FACTORY = "eyas.extract.capture_hook:make_hook"
+CAPTURE_MODULES = ("logits_processor", "language_model.logits_processor")  # Llama/DeepSeek; Kimi-K2.5's wrapper
+RID_PREFIX = "eyas-"
+CANARY_TOKENS = 16
+FILE_POLL_S = 0.02
+FLOAT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 
 
 class SGLangVersionError(SglangServerError):
     """The SGLang server is older than the aux-capture mode extraction needs."""
 
 
-def layer_override(engine_layer_ids: list[int]) -> str:
-    """--json-model-override-args value naming the aux layers (SGLang numbering)."""
-    eagle = {"eagle_aux_hidden_state_layer_ids": list(engine_layer_ids), "use_aux_hidden_state": True}
-    return json.dumps({"eagle_config": eagle})
+def target_family(target_path: str | Path) -> tuple[list[str], int | None]:
+    """(architectures, decoder layers) of the target's config.json."""
+    path = Path(target_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target {target_path}: no config.json; expected a Hugging Face model directory")
+    return target_layout(json.loads(path.read_text()))
 
 
-def aux_capture_flags(cfg: SGLangExtractConfig, engine_layer_ids: list[int]) -> list[str]:
-    """The launch_server flags of aux-capture mode, after --model-path/--host/--port."""
+def engine_layer_ids(aux_layer_ids: list[int], target_path: str | Path) -> tuple[list[int], str]:
+    """(ids for --return-aux-hidden-state-layer-ids, their convention) for the run's canonical ids and target."""
+    convention = sglang_convention(target_family(target_path)[0])
+    return to_engine_layer_ids(list(aux_layer_ids), convention), convention
+
+
+def hook_spec(capture_dir: str | Path) -> list[dict]:
+    """The --forward-hooks value that loads eyas's capture module."""
+    config = {"dir": str(capture_dir), "rid_prefix": RID_PREFIX}
+    spec = {"name": CAPTURE_HOOK_NAME, "target_modules": list(CAPTURE_MODULES), "hook_factory": CAPTURE_HOOK_FACTORY}
+    return [{**spec, "config": config}]
+
+
+def aux_capture_flags(cfg: SGLangExtractConfig, engine_ids: list[int], capture_dir: str | Path) -> list[str]:
+    """The launch_server flags of aux-capture mode with the capture hook, after --model-path/--host/--port."""
     return [
         "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static), "--pp-size", "1",
-        "--speculative-algorithm", SGLANG_ALGORITHM, "--enable-return-hidden-states",
-        "--enable-return-aux-hidden-states", "--disable-radix-cache", "--chunked-prefill-size", "-1",
-        "--json-model-override-args", layer_override(engine_layer_ids),
+        "--speculative-algorithm", SGLANG_ALGORITHM, "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids", *map(str, engine_ids), "--enable-return-hidden-states",
+        "--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-prefill-cuda-graph",
+        "--forward-hooks", json.dumps(hook_spec(capture_dir)),
     ]  # fmt: skip
 
 
@@ -120,68 +120,92 @@ def extract_launch(
     *,
     target_path: str,
     aux_layer_ids: list[int],
+    capture_dir: str | Path,
     module: str = "sglang.launch_server",
     python: str = sys.executable,
 ) -> SglangLaunch:
     """The server eyas launches (eyas.engines.sglang runs it); refuses extra_args that override ours."""
-    own = aux_capture_flags(cfg, to_engine_layer_ids(list(aux_layer_ids), SGLANG_LAYER_ID_CONVENTION))
-    aliases = {"--model-path", "--host", "--port", "--tp", "--tensor-parallel-size", "--pipeline-parallel-size"}
+    own = aux_capture_flags(cfg, engine_layer_ids(aux_layer_ids, target_path)[0], capture_dir)
+    aliases = {"--model-path", "--model", "--host", "--port", "--tp", "--tensor-parallel-size"}
+    aliases |= {"--pipeline-parallel-size", "--json-model-override-args", "--speculative-draft-model-path"}
     own_flags = aliases | {a for a in own if a.startswith("--")}
     clashes = sorted({a.split("=")[0] for a in cfg.extra_args} & own_flags)
     if clashes:
         raise ValueError(
             f"extract.sglang.extra_args={cfg.extra_args}: {', '.join(clashes)} would override what eyas sets "
-            "for aux-capture mode; remove them (port, tp_size, mem_fraction_static are extract.sglang fields, "
-            "layer ids come from target.aux_layer_ids)"
+            "for aux-capture mode; remove them (port, tp_size, mem_fraction_static, capture_dir are extract.sglang "
+            "fields, layer ids come from target.aux_layer_ids)"
         )
     extra = tuple(own + list(cfg.extra_args))
     return SglangLaunch(target_path, None, port=cfg.port, extra_args=extra, module=module, python=python)
 
 
-def build_extract_command(cfg: SGLangExtractConfig, *, target_path: str, aux_layer_ids: list[int], **kw) -> list[str]:
+def build_extract_command(
+    cfg: SGLangExtractConfig, *, target_path: str, aux_layer_ids: list[int], capture_dir: str | Path, **kw
+) -> list[str]:
     """argv of the aux-capture server for this config."""
-    return build_launch_command(extract_launch(cfg, target_path=target_path, aux_layer_ids=aux_layer_ids, **kw))
+    launch = extract_launch(cfg, target_path=target_path, aux_layer_ids=aux_layer_ids, capture_dir=capture_dir, **kw)
+    return build_launch_command(launch)
 
 
-def served_layer_ids(info: dict) -> list[int] | None:
-    """eagle_config.eagle_aux_hidden_state_layer_ids of the server's --json-model-override-args, if any."""
-    overrides = info.get("json_model_override_args") or "{}"
-    if isinstance(overrides, str):
-        overrides = json.loads(overrides)
-    return ((overrides or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+def served_capture_dir(info: dict) -> str | None:
+    """The `dir` of eyas's capture hook in the server's forward_hooks (GET /server_info), if it has one."""
+    for spec in info.get("forward_hooks") or []:
+        if isinstance(spec, dict) and spec.get("hook_factory") == CAPTURE_HOOK_FACTORY:
+            return (spec.get("config") or {}).get("dir")
+    return None
 
 
-def lint_server_args(info: dict, aux_layer_ids: list[int]) -> list[str]:
-    """Every way the server's args (GET /server_info) differ from aux-capture mode; [] when sound."""
+# (server_info field, required value, launch flag, why): what extraction depends on, as /server_info reports it.
+SERVER_REQUIREMENTS = (
+    ("aux_hidden_state_capture", "eagle3",
+     f"--speculative-algorithm {SGLANG_ALGORITHM} --enable-return-aux-hidden-states",
+     "without aux-capture mode the server keeps the last layer's states (H wide), not the aux layers'"),
+    ("speculative_algorithm", None, "no --speculative-draft-model-path",
+     "a speculative server runs a draft and does not return the target's capture"),
+    ("return_hidden_states_mode", "full", "--enable-return-hidden-states",
+     "in 'last' mode a prefill keeps one row per request"),
+    ("enable_return_hidden_states", True, "--enable-return-hidden-states",
+     "the start-up canary asks for hidden states in its answer"),
+    ("pp_size", 1, "--pp-size 1", "the capture hooks see the layers of the last pipeline rank only"),
+    ("disable_radix_cache", True, "--disable-radix-cache",
+     "a cached prompt prefix is not recomputed, so its rows are missing"),
+    ("chunked_prefill_size", -1, "--chunked-prefill-size -1", "a chunked prompt arrives in several prefills"),
+    ("disable_prefill_cuda_graph", True, "--disable-prefill-cuda-graph",
+     "a prefill replayed from a CUDA graph does not run forward hooks"),
+    ("enable_dp_attention", False, "no --enable-dp-attention",
+     "the hook writes from TP rank 0, which sees the requests of its own data-parallel group only"),
+)  # fmt: skip
+
+
+def lint_server_info(info: dict, engine_ids: list[int], convention: str) -> list[str]:
+    """Every way a server (GET /server_info) differs from what extraction needs; [] when sound."""
     problems = []
     for name, required, flag, why in SERVER_REQUIREMENTS:
-        if info.get(name, "(absent)") != required:
-            problems.append(f"{name}={info.get(name, '(absent)')!r}, expected {required!r}: {why}; launch with {flag}")
-    if info.get("enable_return_aux_hidden_states", True) is not True:
-        problems.append("enable_return_aux_hidden_states is off; launch with --enable-return-aux-hidden-states")
-    engine = to_engine_layer_ids(list(aux_layer_ids), SGLANG_LAYER_ID_CONVENTION)
-    try:
-        served = served_layer_ids(info)
-    except (json.JSONDecodeError, AttributeError) as err:
-        served = f"unreadable ({err})"
-    if served != engine:
-        if served is None:
-            found = "no eagle_config.eagle_aux_hidden_state_layer_ids (SGLang then captures its default layers)"
-        elif isinstance(served, list):
-            canonical = from_engine_layer_ids(served, SGLANG_LAYER_ID_CONVENTION)
-            found = f"eagle_config.eagle_aux_hidden_state_layer_ids={served} (hidden_states {canonical})"
+        found = info.get(name, "(absent)")
+        if found != required:
+            problems.append(f"{name}={found!r}, expected {required!r}: {why}; launch with {flag}")
+    served = info.get("return_aux_hidden_state_layer_ids", "(absent)")
+    if served != list(engine_ids):
+        if isinstance(served, list):
+            found = f"{served} (hidden_states {from_engine_layer_ids(served, convention)})"
         else:
-            found = f"json_model_override_args {served}"
+            found = f"{served!r} (SGLang then captures its default layers)" if served is None else repr(served)
         problems.append(
-            f"captures {found}, expected {engine} ({SGLANG_LAYER_ID_CONVENTION}; hidden_states "
-            f"{list(aux_layer_ids)}, the run's target.aux_layer_ids); launch with "
-            f"--json-model-override-args '{layer_override(engine)}'"
+            f"return_aux_hidden_state_layer_ids={found}, expected {list(engine_ids)} ({convention}: hidden_states "
+            f"{from_engine_layer_ids(list(engine_ids), convention)}, the run's target.aux_layer_ids); launch with "
+            f"--return-aux-hidden-state-layer-ids {' '.join(map(str, engine_ids))}"
+        )
+    if served_capture_dir(info) is None:
+        problems.append(
+            f"forward_hooks={info.get('forward_hooks')!r}: expected eyas's capture hook ({CAPTURE_HOOK_FACTORY}); "
+            f"launch with --forward-hooks '{json.dumps(hook_spec('CAPTURE_DIR'))}' (eyas engine-command prints it)"
         )
     return problems
 
 
-def check_server(url: str, *, aux_layer_ids: list[int], timeout_s: float) -> dict:
-    """GET /server_info: refuse an SGLang older than 0.5.23 or not in aux-capture mode; the info when sound."""
+def check_server(url: str, *, engine_ids: list[int], convention: str, timeout_s: float) -> dict:
+    """GET /server_info: refuse an SGLang older than 0.5.23 or not set up for extraction; the info when sound."""
     need = ".".join(map(str, MIN_SGLANG_VERSION))
     fix = f"expected SGLang >= {need}, which serves GET /server_info with its version; check extract.sglang.server_url"
     info = request_json(f"{url}/server_info", None, timeout_s=timeout_s, what=f"SGLang server {url}", fix=fix)
@@ -192,61 +216,121 @@ def check_server(url: str, *, aux_layer_ids: list[int], timeout_s: float) -> dic
     if parsed < MIN_SGLANG_VERSION:
         raise SGLangVersionError(
             f"SGLang server {url}: version {version}, expected >= {need} (the first with "
-            f"--enable-return-aux-hidden-states, the aux-capture mode extraction needs); {UPGRADE}"
+            f"--enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids); {UPGRADE}"
         )
-    problems = lint_server_args(info, aux_layer_ids)
+    problems = lint_server_info(info, engine_ids, convention)
     if problems:
         raise SglangServerError(
-            f"SGLang server {url} (version {version}) is not in aux-capture mode as extraction needs:\n  "
-            + "\n  ".join(problems)
+            f"SGLang server {url} (version {version}) is not set up for extraction:\n  " + "\n  ".join(problems)
         )
     return info
 
 
-def _prompt_rows(meta: dict, field: str, where: str, fix: str) -> torch.Tensor:
-    blocks = meta.get(field)
-    if not isinstance(blocks, list) or not blocks:
-        found = "absent" if blocks is None else f"{type(blocks).__name__} {str(blocks)[:80]}"
-        raise SglangServerError(
-            f"{where}: meta_info.{field} is {found}, expected a list whose first element holds the prompt's rows; {fix}"
-        )
+def read_capture(path: Path, input_ids: list[int], *, num_aux: int, hidden_size: int, where: str):
+    """(aux, last) of one capture file, after checking its token ids, rows, widths and dtype."""
     try:
-        rows = torch.tensor(blocks[0], dtype=torch.float32)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise SglangServerError(
-            f"{where}: meta_info.{field}[0] is not a rectangular [prompt tokens][width] list of numbers ({err})"
-        ) from err
-    if rows.dim() != 2:
-        raise SglangServerError(
-            f"{where}: meta_info.{field}[0] has shape {list(rows.shape)}, expected [prompt tokens, width]"
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise SglangServerError(f"{where}: capture file {path} is unreadable ({err})") from err
+    missing = sorted({"input_ids", "aux", "last"} - set(tensors))
+    if missing:
+        raise SglangServerError(f"{where}: capture file {path} lacks {missing}; expected eyas's capture hook's file")
+    ids, aux, last = tensors["input_ids"], tensors["aux"], tensors["last"]
+    if ids.tolist() != list(input_ids):
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ids.tolist(), input_ids)) if a != b), min(len(ids), len(input_ids))
         )
-    return rows
-
-
-def parse_answer(answer, *, num_aux: int, hidden_size: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One /generate answer -> (aux [t, n_aux*H], last [t, H]) of the prompt; generated tokens' rows dropped."""
-    meta = answer.get("meta_info") if isinstance(answer, dict) else None
-    if not isinstance(meta, dict):
         raise SglangServerError(
-            f"{where}: answer without a meta_info object: {str(answer)[:200]}; expected SGLang's "
-            "/generate answer {text, output_ids, meta_info}"
+            f"{where}: capture file {path} holds {len(ids)} token ids that differ from the {len(input_ids)} sent "
+            f"(first at position {first}); the rows belong to another prompt: the capture dir is shared by two "
+            "extractions, or the server rewrote the prompt"
         )
-    aux = _prompt_rows(
-        meta, AUX_FIELD, where, "the server returned no hidden states: launch it with --enable-return-hidden-states"
-    )
+    for name, t in (("aux", aux), ("last", last)):
+        if t.dtype not in FLOAT_DTYPES or t.dim() != 2:
+            raise SglangServerError(
+                f"{where}: capture file {path}: {name} is {t.dtype} of shape {list(t.shape)}, expected a 2-D "
+                "bfloat16, float16 or float32 tensor"
+            )
+    if aux.dtype != last.dtype:
+        raise SglangServerError(f"{where}: capture file {path}: aux is {aux.dtype}, last {last.dtype}; expected one")
     check_aux_width(aux.shape[1], num_aux=num_aux, hidden_size=hidden_size, source=where)
-    last = _prompt_rows(
-        meta,
-        LAST_FIELD,
-        where,
-        f"the server returned the aux states but not the final layer's: expected SGLang >= "
-        f"{'.'.join(map(str, MIN_SGLANG_VERSION))} launched with --enable-return-aux-hidden-states",
-    )
     return aux, last
 
 
+def wait_for_file(path: Path, timeout_s: float, where: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SglangServerError(
+                f"{where}: the server answered but wrote no {path} within {timeout_s} s; expected eyas's capture "
+                f"hook to write it: the capture dir must be the same folder for the server and eyas (one machine "
+                "or a shared volume), the server's Python must import eyas, and its log names any CaptureError"
+            )
+        time.sleep(FILE_POLL_S)
+
+
+def lm_head_weight(target_path: str | Path) -> torch.Tensor:
+    """The target's output projection [vocab, H] from its safetensors (tied: the input embedding)."""
+    root = Path(target_path)
+    config = json.loads((root / "config.json").read_text())
+    text = config.get("text_config") or {}
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    suffixes = ("lm_head.weight",) + (("embed_tokens.weight",) if tied else ())
+    for suffix in suffixes:
+        for weights in sorted(root.glob("*.safetensors")):
+            for key in read_safetensors_header(weights):
+                if key.endswith(suffix) and "mtp" not in key:
+                    with safe_open(str(weights), framework="pt") as f:
+                        return f.get_tensor(key).float()
+    raise SglangServerError(
+        f"target {root}: no tensor named *lm_head.weight{' or *embed_tokens.weight' if tied else ''} in its "
+        "*.safetensors; the start-up canary needs the output projection to check SGLang's final states"
+    )
+
+
+def check_canary(answer: dict, aux: torch.Tensor, last: torch.Tensor, lm_head: torch.Tensor, where: str) -> None:
+    """Both channels of one request agree: JSON aux rows == the file's, argmax(final @ lm_head) == top-1 logprob."""
+    meta = answer.get("meta_info") or {}
+    blocks = meta.get("hidden_states")
+    if not isinstance(blocks, list) or not blocks:
+        raise SglangServerError(f"{where}: meta_info.hidden_states is {str(blocks)[:80]}, expected the prompt's rows")
+    json_aux = torch.tensor(blocks[0], dtype=torch.float32)
+    if json_aux.shape != aux.shape or not torch.equal(json_aux, aux.float()):
+        raise SglangServerError(
+            f"{where}: the answer's hidden states {list(json_aux.shape)} differ from the capture file's aux "
+            f"{list(aux.shape)} (max difference "
+            f"{(json_aux - aux.float()).abs().max().item() if json_aux.shape == aux.shape else 'n/a'}); "
+            "SGLang's LogitsProcessorOutput.hidden_states no longer holds what the hook reads: check "
+            "eyas.extract.capture_hook against this SGLang version"
+        )
+    tops = (meta.get("input_top_logprobs") or [])[1:] + (meta.get("output_top_logprobs") or [])[:1]
+    if len(tops) != last.shape[0] or any(not row for row in tops):
+        raise SglangServerError(
+            f"{where}: {len(tops)} top-1 logprobs for {last.shape[0]} prompt positions (input_top_logprobs[1:] + "
+            "output_top_logprobs[0]); expected one each: the request asked for return_logprob, logprob_start_len 0"
+        )
+    if lm_head.shape[1] != last.shape[1]:
+        raise SglangServerError(
+            f"{where}: the target's lm_head is {list(lm_head.shape)}, the final states {list(last.shape)}; "
+            "expected the same width H"
+        )
+    logits = last.float() @ lm_head.T
+    mine = logits.argmax(-1)
+    for p, row in enumerate(tops):
+        theirs = int(row[0][1])
+        gap = (logits[p, mine[p]] - logits[p, theirs]).item() if theirs < logits.shape[1] else float("inf")
+        # a near-tie may flip between SGLang's kernels and this matmul: 1% of the position's largest |logit|
+        if int(mine[p]) != theirs and gap > 1e-2 * logits[p].abs().max().item():
+            raise SglangServerError(
+                f"{where}: at position {p} the capture file's final states give token {int(mine[p])} (logit "
+                f"{logits[p, mine[p]].item():.4f}), SGLang's top-1 is {theirs} ({gap:.4f} lower by these states); "
+                "LogitsProcessorOutput.last_hidden_states is not the lm_head input: check "
+                "eyas.extract.capture_hook against this SGLang version"
+            )
+
+
 class SGLangBackend:
-    """Hidden states from an SGLang server in aux-capture mode: launched here, or at extract.sglang.server_url."""
+    """Hidden states from an SGLang server with eyas's capture hook: launched here, or at extract.sglang.server_url."""
 
     name = "sglang"
 
@@ -261,48 +345,98 @@ class SGLangBackend:
         log_path: str | Path | None = None,
     ):
         self.cfg, self.aux_layer_ids, self.hidden_size = cfg, list(aux_layer_ids), hidden_size
+        self.target_path = target_path
+        self.engine_ids, self.convention = engine_layer_ids(self.aux_layer_ids, target_path)
         with ExitStack() as stack:
             if cfg.server_url:
                 self.url = cfg.server_url.rstrip("/")
             else:
+                capture_dir = Path(cfg.capture_dir or tempfile.mkdtemp(prefix="eyas-sglang-capture-")).resolve()
+                capture_dir.mkdir(parents=True, exist_ok=True)
                 launch = extract_launch(
-                    cfg, target_path=target_path, aux_layer_ids=self.aux_layer_ids, module=launch_module
-                )
+                    cfg, target_path=target_path, aux_layer_ids=self.aux_layer_ids, capture_dir=capture_dir,
+                    module=launch_module,
+                )  # fmt: skip
                 log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="eyas-sglang-")) / "server.log"
                 self.url = stack.enter_context(SglangServer(launch, log, cfg.startup_timeout_s))
             timeout_s = cfg.request_timeout_s
-            self.server_info = check_server(self.url, aux_layer_ids=self.aux_layer_ids, timeout_s=timeout_s)
+            self.server_info = check_server(
+                self.url, engine_ids=self.engine_ids, convention=self.convention, timeout_s=timeout_s
+            )
+            self.capture_dir = self._capture_dir(self.server_info)
             self._resources = stack.pop_all()
+        self._canary_done = False
 
-    def _generate(self, input_ids: list[int]) -> dict:
+    def _capture_dir(self, info: dict) -> Path:
+        served = Path(served_capture_dir(info))
+        if self.cfg.capture_dir and Path(self.cfg.capture_dir).resolve() != served.resolve():
+            raise SglangServerError(
+                f"SGLang server {self.url}: its capture hook writes to {served}, extract.sglang.capture_dir is "
+                f"{self.cfg.capture_dir}; expected the same folder: clear capture_dir to use the server's"
+            )
+        if not served.is_dir():
+            raise SglangServerError(
+                f"SGLang server {self.url}: its capture hook writes to {served}, which is not a folder here; "
+                "expected a folder this machine shares with the server (the same machine or a shared volume); "
+                "a server that shares none cannot serve extraction"
+            )
+        return served
+
+    def _generate(self, input_ids: list[int], rid: str, canary: bool = False) -> dict:
         body = {
             "input_ids": input_ids,
+            "rid": rid,
             "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
-            "return_hidden_states": True,
         }
+        if canary:  # both channels: JSON hidden states and top-1 logprobs at every position
+            body.update(return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
         return request_json(
             f"{self.url}/generate",
             body,
             timeout_s=self.cfg.request_timeout_s,
             timeout_fix="raise extract.sglang.request_timeout_s, or lower extract.batch_size / the sample length, "
             "or check the server log",
-            what=f"SGLang server {self.url}: POST /generate ({len(input_ids)} tokens)",
-            fix="expected 200 with meta_info.hidden_states; see the server's log for the cause",
+            what=f"SGLang server {self.url}: POST /generate ({len(input_ids)} tokens, rid {rid})",
+            fix="expected 200; see the server's log for the cause",
         )
 
+    def _one(self, input_ids: list[int], where: str, canary: bool = False):
+        rid = f"{RID_PREFIX}{uuid.uuid4().hex}"
+        path = capture_file(self.capture_dir, rid)
+        answer = self._generate(input_ids, rid, canary)
+        wait_for_file(path, self.cfg.request_timeout_s, where)
+        try:
+            aux, last = read_capture(path, input_ids, num_aux=len(self.aux_layer_ids), hidden_size=self.hidden_size,
+                                     where=where)  # fmt: skip
+        finally:
+            path.unlink(missing_ok=True)
+        return answer, aux, last
+
+    def canary(self, input_ids: list[int]) -> None:
+        """The start-up check on one short prompt (see the module docstring)."""
+        ids = list(input_ids)[:CANARY_TOKENS]
+        where = f"SGLang server {self.url}: start-up canary ({len(ids)} tokens)"
+        answer, aux, last = self._one(ids, where, canary=True)
+        check_canary(answer, aux, last, lm_head_weight(self.target_path), where)
+        self._canary_done = True
+
     def features(self, samples: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One concurrent request per sample; results in sample order, widths and row counts checked."""
+        """One concurrent request per sample; results in sample order, as float32, rows and widths checked."""
         if not samples:
             return []
+        if not self._canary_done:
+            self.canary(samples[0].tolist())
         lengths = [len(s) for s in samples]
-        with ThreadPoolExecutor(max_workers=len(samples)) as pool:
-            answers = list(pool.map(self._generate, [s.tolist() for s in samples]))
-        num_aux, source = len(self.aux_layer_ids), f"SGLang server {self.url}"
-        feats = [
-            parse_answer(a, num_aux=num_aux, hidden_size=self.hidden_size, where=f"{source} sample {i} ({n} tokens)")
-            for i, (a, n) in enumerate(zip(answers, lengths))
-        ]
-        check_feature_widths(feats, lengths, num_aux=num_aux, hidden_size=self.hidden_size, source=source)
+        source = f"SGLang server {self.url}"
+        wheres = [f"{source} sample {i} ({n} tokens)" for i, n in enumerate(lengths)]
+        try:
+            with ThreadPoolExecutor(max_workers=len(samples)) as pool:
+                results = list(pool.map(self._one, [s.tolist() for s in samples], wheres))
+        except CaptureError as err:
+            raise SglangServerError(f"{source}: {err}") from err
+        feats = [(aux.float(), last.float()) for _, aux, last in results]
+        check_feature_widths(feats, lengths, num_aux=len(self.aux_layer_ids), hidden_size=self.hidden_size,
+                             source=source)  # fmt: skip
         return feats
 
     def close(self) -> None:

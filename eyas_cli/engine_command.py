@@ -1,0 +1,46 @@
+"""`eyas engine-command CONFIG --stage extract|bench|baseline [--json]`: the SGLang server a stage would start.
+
+    $ eyas engine-command deployments/kimi-k2.5.json --stage extract
+    python -m sglang.launch_server --model-path /models/Kimi-K2.5 --host 127.0.0.1 --port 30000 --tp-size 8 ...
+
+The argv is the one the stage builds (eyas.extract.backends.sglang.build_extract_command for extraction,
+eyas.bench.sglang.bench_launch for the benchmark and its baseline), so a server started by hand with it
+passes the stage's checks. For extraction the capture folder is extract.sglang.capture_dir, or
+RUN/extract/sglang-capture when that is empty; it must be one folder for the server and eyas.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ENGINE_STAGES = ("extract", "bench", "baseline")
+DEFAULT_CAPTURE = Path("extract") / "sglang-capture"
+
+
+def engine_command(config, stage: str, python: str = "python") -> list[str]:
+    """argv of the SGLang server `stage` of this run starts."""
+    from dataclasses import replace
+
+    from eyas.engines.sglang import build_launch_command
+
+    if stage == "extract":
+        from eyas.extract.backends.sglang import build_extract_command
+        from eyas.layer_ids import resolve_aux_layer_ids
+        from eyas.target import target_dims
+
+        cfg = config.extract.sglang
+        num_layers, _ = target_dims(config.target.model_path)
+        return build_extract_command(
+            cfg,
+            target_path=config.target.model_path,
+            aux_layer_ids=resolve_aux_layer_ids(config.target.aux_layer_ids, num_layers),
+            capture_dir=str(Path(cfg.capture_dir or config.paths.root / DEFAULT_CAPTURE).resolve()),
+            python=python,
+        )
+    if stage in ("bench", "baseline"):
+        from eyas.bench.sglang import bench_launch
+        from eyas.export.convert import SGLANG_EXPORT
+
+        launch = replace(bench_launch(config, config.paths.export_dir / SGLANG_EXPORT), python=python)
+        return build_launch_command(launch if stage == "bench" else launch.baseline())
+    raise ValueError(f"engine-command --stage {stage!r}: expected one of {ENGINE_STAGES}")

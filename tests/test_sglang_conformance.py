@@ -1,0 +1,219 @@
+"""Every SGLang command eyas builds, run through SGLang 0.5.23's own code on CPU (tests/sglang_conformance.py).
+
+SGLang's parser, resolution and validation (`prepare_server_args`, `ServerArgs.resolve_once`,
+`check_server_args`) accept or refuse each launch command, and `/server_info` as SGLang builds it is what
+eyas's server checks read. eyas's capture hook runs inside SGLang's own LogitsProcessorOutput, ForwardBatch
+and hook registration (tests/sglang_kit/capture_check.py), and SGLang's own `set_eagle3_layers_to_capture`
+decides which layers the ids eyas sends capture.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sglang_conformance import REPO, TINY_DRAFT_CONFIG, SglangRefused, kit_python_env, resolved_server_info
+
+from eyas.bench.sglang import lint_launch_command
+from eyas.config import SGLangExtractConfig, load_run_config
+from eyas.engines.sglang import SglangLaunch, build_launch_command
+from eyas.extract.backends.hf import HFBackend
+from eyas.extract.backends.sglang import (
+    aux_capture_flags,
+    build_extract_command,
+    engine_layer_ids,
+    hook_spec,
+    lint_server_info,
+)
+from eyas_cli.engine_command import engine_command
+
+TINY = REPO / "fixtures" / "tiny-target"
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json, narrowed (61 layers kept: the ids are the point)
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 61, "first_k_dense_replace": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 64,
+    "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 2048,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    """Config-only target folders (SGLang's resolution reads config.json, no weights): Llama-shaped with 32
+    layers, DeepSeek-shaped with 61."""
+    root = tmp_path_factory.mktemp("targets")
+    llama = json.loads((TINY / "config.json").read_text()) | {"num_hidden_layers": 32}
+    out = {}
+    for name, config in (("llama-32", llama), ("deepseek-v3-61", DEEPSEEK_V3)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        out[name] = root / name
+    return out
+
+
+def extract_argv(target: Path, aux_layer_ids: list[int], capture_dir="/shared/capture", **cfg) -> list[str]:
+    config = SGLangExtractConfig(tp_size=8, **cfg)
+    return build_extract_command(config, target_path=str(target), aux_layer_ids=aux_layer_ids, capture_dir=capture_dir)
+
+
+@pytest.mark.parametrize(
+    "target, aux, engine, convention",
+    [
+        ("tiny", [2, 4, 5], [1, 3, 4], "sglang_llama"),
+        ("llama-32", [3, 10, 20], [2, 9, 19], "sglang_llama"),
+        ("deepseek-v3-61", [3, 30, 58], [3, 30, 58], "sglang_deepseek"),  # first id not 1: used as given
+        ("deepseek-v3-61", [2, 30, 58], [1, 29, 57], "sglang_deepseek"),  # first id 1: SGLang adds 1 to each
+    ],
+)
+def test_sglang_accepts_the_extraction_command_and_resolves_what_eyas_checks(
+    sglang_kit, targets, target, aux, engine, convention
+):
+    path = TINY if target == "tiny" else targets[target]
+    argv = extract_argv(path, aux)
+    info = resolved_server_info(argv)
+    assert engine_layer_ids(aux, path) == (engine, convention)
+    assert info["return_aux_hidden_state_layer_ids"] == engine
+    # SGLang's aux-capture mode: no speculation left, capture named "eagle3", every row kept
+    assert info["speculative_algorithm"] is None and info["aux_hidden_state_capture"] == "eagle3"
+    assert info["return_hidden_states_mode"] == "full" and info["enable_return_hidden_states"] is True
+    assert info["forward_hooks"] == hook_spec("/shared/capture") and info["version"] == "0.5.23"
+    assert lint_server_info(info, engine, convention) == []
+
+
+def test_the_json_model_override_ids_are_ignored_in_aux_capture_mode(sglang_kit):
+    """What eyas sent before: SGLang's resolution drops them, so a server would capture its default layers."""
+    flags = aux_capture_flags(SGLangExtractConfig(), [1, 3, 4], "/c")
+    i = flags.index("--return-aux-hidden-state-layer-ids")
+    del flags[i : i + 4]
+    override = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}}
+    info = resolved_server_info(["--model-path", str(TINY), *flags, "--json-model-override-args", json.dumps(override)])
+    assert info["return_aux_hidden_state_layer_ids"] is None
+    [problem] = lint_server_info(info, [1, 3, 4], "sglang_llama")
+    assert problem.startswith("return_aux_hidden_state_layer_ids=None (SGLang then captures its default layers)")
+
+
+def test_an_hf_first_id_1_cannot_be_written_for_a_deepseek_target(targets):
+    with pytest.raises(ValueError, match=r"a first id of 1 makes the engine add 1 to every id"):
+        extract_argv(targets["deepseek-v3-61"], [1, 30, 58])
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        (["--pp-size", "2"], "--enable-return-aux-hidden-states only supports pp_size == 1"),
+        (["--speculative-algorithm", "EAGLE"], "needs --speculative-algorithm EAGLE3, DFLASH or DSPARK"),
+        (["--speculative-draft-model-path", "/d"], "captures without a draft; drop --speculative-draft-model-path"),
+        (["--return-aux-hidden-state-layer-ids", "1", "1", "5"], "must not repeat a layer, got [1, 1, 5]"),
+    ],
+)
+def test_sglang_refuses_a_broken_extraction_command_with_its_own_message(sglang_kit, change, refusal):
+    argv = extract_argv(TINY, [2, 4, 5])[3:]
+    flag = change[0]
+    if flag in argv:  # replace the flag's values
+        i = argv.index(flag)
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        argv[i:j] = change
+    else:
+        argv += change
+    with pytest.raises(SglangRefused) as err:
+        resolved_server_info(argv)
+    assert refusal in str(err.value)
+
+
+@pytest.fixture
+def draft(tmp_path) -> Path:
+    out = tmp_path / "draft"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(TINY_DRAFT_CONFIG))
+    (out / "model.safetensors").write_bytes(b"")
+    return out
+
+
+def test_sglang_accepts_the_benchmark_and_baseline_commands_as_eyas_builds_them(sglang_kit, draft):
+    launch = SglangLaunch(target_path=str(TINY), draft_path=str(draft), steps=3, topk=1, num_draft_tokens=4)
+    spec = resolved_server_info(build_launch_command(launch))
+    assert (spec["speculative_algorithm"], spec["speculative_draft_model_path"]) == ("EAGLE3", str(draft))
+    shape = [spec[f"speculative_{k}"] for k in ("num_steps", "eagle_topk", "num_draft_tokens")]
+    assert shape == [3, 1, 4]  # as eyas asked: the lint's steps + 1 rule is SGLang's (see below)
+    assert lint_launch_command(build_launch_command(launch), shard_aux_layer_ids=[2, 4, 5]) == []
+    base = resolved_server_info(build_launch_command(launch.baseline()))
+    assert base["speculative_algorithm"] is None and base["speculative_draft_model_path"] is None
+
+
+def test_sglang_rewrites_a_chains_draft_tokens_as_the_lint_says(sglang_kit, draft):
+    launch = SglangLaunch(target_path=str(TINY), draft_path=str(draft), steps=3, topk=1, num_draft_tokens=8)
+    assert resolved_server_info(build_launch_command(launch))["speculative_num_draft_tokens"] == 4
+    [problem] = lint_launch_command(build_launch_command(launch))
+    assert "expected steps + 1 = 4; SGLang rewrites it for a chain" in problem
+
+
+def test_engine_command_prints_what_sglang_accepts_for_every_stage(sglang_kit, tmp_path, draft):
+    config = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    config = config.model_copy(update={"workdir": str(tmp_path / "run")})
+    export = tmp_path / "run" / "export" / "sglang"
+    export.parent.mkdir(parents=True)
+    draft.rename(export)
+    infos = {stage: resolved_server_info(engine_command(config, stage)) for stage in ("extract", "bench", "baseline")}
+    assert infos["extract"]["aux_hidden_state_capture"] == "eagle3"
+    assert infos["extract"]["forward_hooks"][0]["config"]["dir"] == str(tmp_path / "run" / "extract" / "sglang-capture")
+    assert infos["bench"]["speculative_algorithm"] == "EAGLE3"
+    assert infos["baseline"]["speculative_algorithm"] is None
+    cli = subprocess.run(
+        [sys.executable, "-m", "eyas_cli.main", "engine-command", str(REPO / "deployments" / "tiny-cpu.json"),
+         "--stage", "extract", "--json"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    printed = json.loads(cli.stdout)
+    assert printed["argv"][1:3] == ["-m", "sglang.launch_server"] and printed["command"].startswith("python -m ")
+    assert resolved_server_info(printed["argv"])["return_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+LAYER_CASES = [("llama-32", [3, 10, 20]), ("llama-32", [2, 16, 29]), ("deepseek-v3-61", [3, 30, 58]),
+               ("deepseek-v3-61", [2, 30, 58]), ("deepseek-v3-61", [2, 31, 60])]  # fmt: skip
+
+
+def test_the_capture_hook_in_sglangs_own_objects_writes_the_hf_rows(tmp_path, targets):
+    samples = [[5, 17, 300, 2, 9], [100, 101, 102], [7, 7, 7, 7]]
+    rids = ["eyas-a", "health-check", "eyas-c"]
+    request = {
+        "target": str(TINY), "engine_ids": [1, 3, 4], "hook_specs": hook_spec(tmp_path / "unused"),
+        "samples": samples, "rids": rids,
+        "capture_dirs": {"0": str(tmp_path / "rank0"), "1": str(tmp_path / "rank1")},
+        # the ids eyas sends for these canonical ids, then SGLang's own choice of layers for them
+        "layer_cases": [{"model": str(targets[name]), "ids": engine_layer_ids(ids, targets[name])[0]}
+                        for name, ids in LAYER_CASES] + [{"model": str(targets["deepseek-v3-61"]), "ids": None}],
+    }  # fmt: skip
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    script = REPO / "tests" / "sglang_kit" / "capture_check.py"
+    env = kit_python_env()
+    env["PYTHONPATH"] += f":{REPO}"  # the server's Python imports eyas's capture module
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "request.json")], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    # SGLang's own set_eagle3_layers_to_capture: the canonical ids the run asked for
+    assert result["layers_to_capture"] == [2, 4, 5]
+    assert result["cases"] == [ids for _, ids in LAYER_CASES] + [[2, 30, 58]]  # last: SGLang's default
+    assert result["same_signature"] and result["registered"] == 1
+    assert result["written"]["0"] == {"DECODE": [], "TARGET_VERIFY": [], "EXTEND": ["eyas-a.safetensors",
+                                                                                       "eyas-c.safetensors"]}  # fmt: skip
+    assert result["written"]["1"] == {"DECODE": [], "TARGET_VERIFY": [], "EXTEND": []}
+    hf = HFBackend(str(TINY), target_dtype="float32", aux_layer_ids=[2, 4, 5], hidden_size=128, device="cpu")
+    feats = hf.features([torch.tensor(s) for s in samples])
+    for rid, ids, (aux, last) in zip(rids, samples, feats):
+        if not rid.startswith("eyas-"):
+            continue
+        written = load_file(str(tmp_path / "rank0" / f"{rid}.safetensors"))
+        assert written["input_ids"].tolist() == ids
+        torch.testing.assert_close(written["aux"], aux, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(written["last"], last, atol=1e-5, rtol=1e-4)

@@ -50,10 +50,80 @@ class TargetConfig(StrictModel):
         "None = EAGLE-3 default [2, N//2, N-3]",
     )
     dtype: DType = Field(default="float32", description="dtype the target runs in")
+    trust_remote_code: bool = Field(
+        default=False,
+        description="let transformers run the model directory's own code (auto_map) to load the target's model or "
+        "tokenizer (Kimi-K2.5 needs it); the facts eyas reads from config.json and weight headers never do",
+    )
+
+
+class GenerationConfig(StrictModel):
+    """How the target writes the responses of `dataset.responses = "regenerate"` (eyas.dataset.generate)."""
+
+    generator: Literal["hf", "sglang", "openai"] = Field(
+        default="hf",
+        description="hf: transformers in the flow's process (small targets); sglang: SGLang's /generate with token "
+        "ids; openai: an OpenAI-compatible server (vLLM, ...)",
+    )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        description="servers used in parallel (sglang, openai); empty with sglang = eyas launches one",
+    )
+    max_in_flight: int = Field(default=8, ge=1, description="requests in flight per server")
+    max_attempts: int = Field(default=4, ge=1, description="tries of one request (on any server) before it fails")
+    request_timeout_s: int = Field(default=600, ge=1, description="per request")
+    max_failed_fraction: float = Field(
+        default=0.0, ge=0, le=1, description="fail the stage when more prompts than this failed every attempt"
+    )
+    temperature: float = Field(default=0.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
+    openai_endpoint: Literal["completions", "chat"] = Field(
+        default="completions",
+        description="completions: token ids in, token ids out where the server returns them; chat: messages in",
+    )
+    openai_model: str = Field(default="", description="the served model's name (openai)")
+    sglang_port: int = Field(default=30000, ge=1, le=65535, description="port of a launched SGLang server")
+    sglang_tp_size: int = Field(default=1, ge=1, description="--tp-size of a launched SGLang server")
+    sglang_startup_timeout_s: int = Field(default=1800, ge=10, description="wait this long for GET /health")
+    sglang_extra_args: list[str] = Field(default_factory=list, description="more launch_server flags")
+
+    @model_validator(mode="after")
+    def _servers_fit_the_generator(self) -> "GenerationConfig":
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"dataset.generation.server_urls: {bad} expected http://HOST:PORT")
+        if self.generator == "hf" and self.server_urls:
+            raise ValueError(
+                "dataset.generation.server_urls is set but generator is 'hf'; set generator to sglang or openai"
+            )
+        if self.generator == "openai" and (not self.server_urls or not self.openai_model):
+            raise ValueError(
+                "dataset.generation.generator='openai' needs server_urls and openai_model (the served model's name)"
+            )
+        return self
+
+    def identity(self) -> dict:
+        """What decides the responses (the cache key's part): not where they are asked or how patiently."""
+        return self.model_dump(include={"generator", "temperature", "top_p", "openai_endpoint", "openai_model"})
 
 
 class DatasetConfig(StrictModel):
-    prompts_path: str = Field(description="JSONL of {id, conversations:[{role, content}]}")
+    prompts_path: str = Field(
+        description="conversations: JSONL or Parquet of {id, conversations:[{role, content}]}, ShareGPT "
+        "{conversations:[{from, value}]} or OpenAI {messages:[{role, content}]} rows"
+    )
+    responses: Literal["regenerate", "as_given"] = Field(
+        default="regenerate",
+        description="regenerate: the target writes the answer to each conversation's last user turn; as_given: "
+        "train on the file's assistant turns (every one loss-masked)",
+    )
+    system_prompt: Literal["keep", "drop"] = Field(default="keep", description="a conversation's system turn")
+    reasoning: Literal["keep", "drop", "template"] = Field(
+        default="keep",
+        description="assistant reasoning (<think> blocks, reasoning_content): keep in the text, drop, or hand to "
+        "the chat template as reasoning_content",
+    )
+    generation: GenerationConfig = Field(default=GenerationConfig(), description="the regeneration's generator")
     num_samples: int = Field(default=0, ge=0, description="use the first N prompts; 0 = all")
     max_new_tokens: int = Field(default=64, ge=1, le=8192, description="response tokens regenerated per prompt")
     max_length: int = Field(default=512, ge=8, description="tokens per sample after truncation")

@@ -58,26 +58,74 @@ def target_fingerprint(model_path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def target_dims(target_path: str | Path) -> tuple[int, int]:
-    """(num_layers, hidden_size) from the target's config.json, without loading its weights."""
-    from transformers import AutoConfig
+class TargetError(ValueError):
+    """The target's directory cannot be read as eyas needs it."""
 
-    path = Path(target_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target {str(path)!r}: no config.json; expected a Hugging Face model directory")
-    with HF_LOAD_LOCK:
-        cfg = AutoConfig.from_pretrained(path).get_text_config()
-    return int(cfg.num_hidden_layers), int(cfg.hidden_size)
+
+def read_target_config(target_path: str | Path) -> dict:
+    """The target's config.json, read as JSON (no transformers, no remote code)."""
+    path = Path(target_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target {str(target_path)!r}: no config.json; expected a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def text_config(config: dict) -> dict:
+    """The text model's part of a config: `text_config` of a multimodal wrapper (Kimi-K2.5), else the config."""
+    return config.get("text_config") or config
+
+
+def remote_code(config: dict) -> dict[str, str]:
+    """The classes a config names in `auto_map` that transformers does not ship (they would run code from the
+    model directory): {auto class: "module.Class"}; {} when transformers knows the model types."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    known = all(c.get("model_type") in CONFIG_MAPPING_NAMES for c in (config, text_config(config)))
+    return {} if known else {k: str(v) for k, v in (config.get("auto_map") or {}).items()}
+
+
+def check_remote_code(target_path: str | Path, trust_remote_code: bool) -> None:
+    """Refuse to load a target whose model or tokenizer needs code from its directory, unless trusted."""
+    config = read_target_config(target_path)
+    needed = remote_code(config)
+    if needed and not trust_remote_code:
+        files = sorted({v.split(".")[0] + ".py" for v in needed.values() if "." in v and "--" not in v})
+        raise TargetError(
+            f"target {target_path}: model_type {config.get('model_type')!r} is not one transformers ships; loading "
+            f"it runs code from the model directory ({', '.join(f'{k} -> {v}' for k, v in needed.items())}; files "
+            f"{', '.join(files) or 'named in auto_map'}); expected target.trust_remote_code: true in the run config "
+            "if you trust that code (the facts eyas reads from config.json and the weight headers need none)"
+        )
+
+
+def target_dims(target_path: str | Path) -> tuple[int, int]:
+    """(num_layers, hidden_size) of the target's text model, from its config.json."""
+    text = text_config(read_target_config(target_path))
+    missing = [k for k in ("num_hidden_layers", "hidden_size") if not isinstance(text.get(k), int)]
+    if missing:
+        raise TargetError(f"target {target_path}: config.json has no integer {' or '.join(missing)} (nor text_config)")
+    return int(text["num_hidden_layers"]), int(text["hidden_size"])
+
+
+def _weight_key(model_path: str | Path, suffix: str) -> tuple[Path, str, dict] | None:
+    """(file, name, header entry) of the target's tensor ending in `suffix` (the text model's, not an MTP or
+    vision copy), from the weight headers."""
+    for weights in sorted(Path(model_path).glob("*.safetensors")):
+        header = read_safetensors_header(weights)
+        names = sorted((k for k in header if k.endswith(suffix) and "vision" not in k), key=len)
+        if names:
+            return weights, names[0], header[names[0]]
+    return None
 
 
 def embedding_rows(model_path: str | Path) -> int:
     """Rows of the target's input embedding (its vocab as the weights have it), from the weight headers."""
-    root = Path(model_path)
-    for weights in sorted(root.glob("*.safetensors")):
-        entry = read_safetensors_header(weights).get(EMBED_KEY)
-        if entry is not None:
-            return int(entry["shape"][0])
-    raise KeyError(f"target {root}: no {EMBED_KEY} in its *.safetensors; expected a Llama-style checkpoint")
+    found = _weight_key(model_path, EMBED_KEY.removeprefix("model."))
+    if found is None:
+        raise KeyError(
+            f"target {model_path}: no *embed_tokens.weight in its *.safetensors; expected a Llama-style checkpoint"
+        )
+    return int(found[2]["shape"][0])
 
 
 class TargetFacts(BaseModel):
@@ -90,9 +138,15 @@ class TargetFacts(BaseModel):
     hidden_size: int
     vocab_size: int  # rows of the input embedding
     fingerprint: str
+    architectures: list[str] = []  # the config's (a wrapper's, for Kimi-K2.5)
+    text_architectures: list[str] = []  # the text model's (text_config), or the same
+    tie_word_embeddings: bool = False
+    remote_code: dict[str, str] = {}  # auto_map classes transformers does not ship
 
     @classmethod
     def read(cls, model_path: str | Path) -> "TargetFacts":
+        config = read_target_config(model_path)
+        text = text_config(config)
         num_layers, hidden = target_dims(model_path)
         return cls(
             model_path=str(model_path),
@@ -100,7 +154,28 @@ class TargetFacts(BaseModel):
             hidden_size=hidden,
             vocab_size=embedding_rows(model_path),
             fingerprint=target_fingerprint(model_path),
+            architectures=list(config.get("architectures") or []),
+            text_architectures=list(text.get("architectures") or config.get("architectures") or []),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            remote_code=remote_code(config),
         )
+
+    def summary(self) -> dict:
+        """The facts and what follows from them: default aux ids and each engine's numbering of them."""
+        from eyas.layer_ids import default_aux_layer_ids, sglang_convention, to_engine_layer_ids
+
+        ids = default_aux_layer_ids(self.num_layers)
+        sglang = sglang_convention(self.architectures + self.text_architectures)
+        return {
+            **self.model_dump(),
+            "default_aux_layer_ids": ids,
+            "layer_numbering": {
+                "hf_hidden_states": ids,
+                sglang: to_engine_layer_ids(ids, sglang),
+                "vllm": to_engine_layer_ids(ids, "vllm"),
+            },
+            "sglang_layer_numbering": sglang,
+        }
 
 
 @dataclass
@@ -130,7 +205,17 @@ class Target:
         return self.tokenizer.eos_token_id
 
 
-def load_target(model_path: str | Path, dtype: str = "float32") -> Target:
+def load_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False):
+    """The target's tokenizer (its code from the directory only with trust_remote_code)."""
+    from transformers import AutoTokenizer
+
+    check_remote_code(model_path, trust_remote_code)
+    with HF_LOAD_LOCK:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+
+
+def load_target(model_path: str | Path, dtype: str = "float32", *, trust_remote_code: bool = False) -> Target:
+    """The target through transformers (its code from the directory only with trust_remote_code)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(model_path)
@@ -139,9 +224,12 @@ def load_target(model_path: str | Path, dtype: str = "float32") -> Target:
             f"target.model_path={str(path)!r}: no config.json there; expected a Hugging Face model "
             f"directory (config.json, *.safetensors, tokenizer files)"
         )
+    check_remote_code(path, trust_remote_code)
     with HF_LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model.eval()
     return Target(model=model, tokenizer=tokenizer, path=path)
 

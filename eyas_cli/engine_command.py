@@ -1,9 +1,10 @@
-"""`eyas engine-command CONFIG --stage extract|bench|baseline [--json]`: the SGLang server a stage would start.
+"""`eyas engine-command CONFIG --stage generate|extract|bench|baseline [--json]`: the SGLang server a stage starts.
 
     $ eyas engine-command deployments/kimi-k2.5.json --stage extract
     python -m sglang.launch_server --model-path /models/Kimi-K2.5 --host 127.0.0.1 --port 30000 --tp-size 8 ...
 
-The argv is the one the stage builds (eyas.extract.backends.sglang.build_extract_command for extraction,
+The argv is the one the stage builds (eyas.dataset.build.generation_launch for the dataset stage's
+regeneration, eyas.extract.backends.sglang.build_extract_command for extraction,
 eyas.bench.sglang.bench_launch for the benchmark and its baseline), so a server started by hand with it
 passes the stage's checks. For extraction the capture folder is extract.sglang.capture_dir, or
 RUN/extract/sglang-capture when that is empty; it must be one folder for the server and eyas.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ENGINE_STAGES = ("extract", "bench", "baseline")
+ENGINE_STAGES = ("generate", "extract", "bench", "baseline")
 DEFAULT_CAPTURE = Path("extract") / "sglang-capture"
 
 
@@ -23,6 +24,11 @@ def engine_command(config, stage: str, python: str = "python") -> list[str]:
 
     from eyas.engines.sglang import build_launch_command
 
+    if stage == "generate":
+        from eyas.dataset.build import generation_launch
+
+        launch = generation_launch(config.dataset.generation, config.target.model_path)
+        return build_launch_command(replace(launch, python=python))
     if stage == "extract":
         from eyas.extract.backends.sglang import build_extract_command
         from eyas.layer_ids import resolve_aux_layer_ids

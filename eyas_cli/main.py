@@ -9,7 +9,8 @@ Usage:
   eyas remap SRC DST --to FORMAT [--sglang-version V] [--target T] [--dtype D] [--embed-from F]
   eyas stop TRAIN_DIR                    stop the trainer processes eyas started there (and only those)
   eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config or workdir)
-  eyas engine-command CONFIG --stage extract|bench|baseline [--json]   the SGLang server a stage starts
+  eyas engine-command CONFIG --stage generate|extract|bench|baseline [--json]   the SGLang server a stage starts
+  eyas target PATH [--json]              a target's facts from config.json and weight headers (no weights, no code)
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     status = sub.add_parser("status", help="where a run stands: stages, progress, next command, files")
     status.add_argument("run", nargs="?", default=str(DEMO_PRESET), help="a run config (JSON) or a run's workdir")
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    target = sub.add_parser("target", help="a target's facts from config.json and weight headers")
+    target.add_argument("path")
+    target.add_argument("--json", action="store_true", help="print the facts as JSON")
     engine = sub.add_parser("engine-command", help="print the SGLang launch command a stage would run")
     engine.add_argument("config")
-    engine.add_argument("--stage", required=True, choices=["extract", "bench", "baseline"])
+    engine.add_argument("--stage", required=True, choices=["generate", "extract", "bench", "baseline"])
     engine.add_argument("--json", action="store_true", help="print {stage, argv, command} as JSON")
     remap = sub.add_parser("remap", help="convert a drafter checkpoint to another format")
     remap.add_argument("src")
@@ -193,6 +197,32 @@ def show_status(run: str, as_json: bool) -> int:
     return 0
 
 
+def show_target(path: str, as_json: bool) -> int:
+    from eyas.target import TargetError, TargetFacts
+
+    try:
+        facts = TargetFacts.read(path).summary()
+    except (OSError, KeyError, TargetError) as err:
+        print(f"eyas target: {err}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(facts, indent=1))
+        return 0
+    arch = ", ".join(facts["architectures"])
+    text = ", ".join(facts["text_architectures"])
+    print(f"target {path}: {arch}" + (f" (text model {text})" if text != arch else ""))
+    print(
+        f"  layers {facts['num_layers']}, hidden {facts['hidden_size']}, vocab {facts['vocab_size']} (embedding "
+        f"rows), tied embeddings {str(facts['tie_word_embeddings']).lower()}, fingerprint {facts['fingerprint']}"
+    )
+    print(f"  default aux layer ids {facts['default_aux_layer_ids']} (hf_hidden_states)")
+    for numbering, ids in facts["layer_numbering"].items():
+        print(f"    {numbering}: {ids}")
+    if facts["remote_code"]:
+        print(f"  needs its own code to load (target.trust_remote_code: true): {facts['remote_code']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "demo":
@@ -224,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_remap(args)
     if args.command == "status":
         return show_status(args.run, args.json)
+    if args.command == "target":
+        return show_target(args.path, args.json)
     if args.command == "engine-command":
         import shlex
 

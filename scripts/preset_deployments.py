@@ -22,6 +22,7 @@ PRESET_POOLS = {
     "tiny-cpu": LOCAL_POOL,
     "llama31-8b-8gpu": {**GPU_POOL, "job_variables": {"gpu_count": 8}},
     "deepseek-v3-8gpu": {**GPU_POOL, "job_variables": {"gpu_count": 8}},
+    "kimi-k25-8gpu": {**GPU_POOL, "job_variables": {"gpu_count": 8}},
 }
 
 

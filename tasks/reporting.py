@@ -72,6 +72,8 @@ class StageProgress:
         for name in ("shards", "samples", "tokens"):
             if f"{name}_done" in info and f"{name}_total" in info:
                 parts.append(f"{name} {info[f'{name}_done']:,}/{info[f'{name}_total']:,}")
+        if info.get("tokens_per_s") is not None:
+            parts.append(f"{info['tokens_per_s']:,.1f} tokens/s")
         if info.get("eta_s") is not None:
             parts.append(f"ETA {info['eta_s']:.0f} s")
         return "; ".join(parts)

@@ -20,14 +20,14 @@ token, as at an end-of-sequence token), EYAS_SGLANG_DOUBLE_EXIT=1 (exit at start
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
+from tests.json_handler import JsonHandler
 from tests.sglang_conformance import SglangRefused, resolved_server_info
 
 STEP_S = 0.002  # one simulated forward
@@ -44,18 +44,7 @@ def make_handler(info: dict, ready_at: float):
     accept_length = min(float(os.environ.get("EYAS_SGLANG_DOUBLE_ACCEPT_LENGTH", "2.5")), max(longest, 1))
     stop_ids = {int(t) for t in os.environ.get("EYAS_SGLANG_DOUBLE_STOP_AT_PREFILL", "").split(",") if t}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _send(self, code: int, body) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
             if self.path in ("/server_info", "/get_server_info"):
                 return self._send(200, info)
@@ -67,7 +56,7 @@ def make_handler(info: dict, ready_at: float):
             if self.path != "/generate":
                 return self._send(404, {"error": f"no route {self.path}"})
             start = time.monotonic()
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self._body()
             ids, params = body.get("input_ids"), body.get("sampling_params", {})
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
                 return self._send(400, {"error": "input_ids: expected a non-empty list of token ids"})

@@ -40,7 +40,6 @@ import contextlib
 import fnmatch
 import functools
 import importlib
-import json
 import os
 import sys
 import threading
@@ -48,11 +47,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from enum import IntEnum
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import torch
 
 from eyas.target import load_target, target_features
+from tests.json_handler import JsonHandler
 from tests.sglang_conformance import SglangRefused, resolved_server_info
 
 MODES = ("ok", "no_hook", "drift_aux", "drift_last", "old_version", "http_500", "slow")
@@ -166,18 +166,7 @@ class HiddenStateModel:
 
 
 def make_handler(info: dict, mode: str, model: HiddenStateModel):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _send(self, code: int, body) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
             if self.path == "/health":
                 return self._send(200, {})
@@ -188,7 +177,7 @@ def make_handler(info: dict, mode: str, model: HiddenStateModel):
         def do_POST(self):
             if self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self._body()
             ids = body.get("input_ids")
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
                 return self._send(400, {"error": {"message": "input_ids: expected a non-empty list of token ids"}})

@@ -71,9 +71,20 @@ def test_all_zero_loss_masks_fail_loudly(tmp_path, random_target_dir):
 
 
 def test_truncation_that_drops_most_of_a_sample_fails(tmp_path, random_target_dir):
+    turns = [{"role": "user", "content": "def f():"}, {"role": "assistant", "content": CODE * 2}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "p0", "conversations": turns}) + "\n")
+    cfg = DatasetConfig(prompts_path=str(tmp_path / "p.jsonl"), responses="as_given", max_length=30,
+                        draft_vocab_size=64)  # fmt: skip
+    with pytest.raises(DatasetError, match=r"sample p0: \d+ tokens, truncation to dataset.max_length=30 drops most"):
+        build(cfg, random_target_dir, tmp_path / "dataset")
+
+
+def test_a_prompt_that_alone_fills_max_length_is_skipped_and_counted(tmp_path, random_target_dir):
     prompts = write_prompts(tmp_path / "p.jsonl", n=2, repeats=(2,))
     cfg = DatasetConfig(prompts_path=str(prompts), max_new_tokens=2, max_length=30, draft_vocab_size=64)
-    with pytest.raises(DatasetError, match=r"sample p0: \d+ tokens, truncation to dataset.max_length=30 drops most"):
+    with pytest.raises(
+        DatasetError, match=r"2 of 2 samples have an all-zero loss mask \(no response token, or a prompt"
+    ):
         build(cfg, random_target_dir, tmp_path / "dataset")
 
 

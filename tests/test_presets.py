@@ -13,10 +13,12 @@ from eyas.shards.format import bytes_per_token
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "deployments").glob("*.json"))
 TEMPLATE = REPO / "deployments" / "work-pools" / "k8s-gpu-base-job-template.json"
-# The targets' config.json (Hugging Face): meta-llama/Llama-3.1-8B-Instruct, deepseek-ai/DeepSeek-V3.
+# The targets' config.json (Hugging Face): meta-llama/Llama-3.1-8B-Instruct, deepseek-ai/DeepSeek-V3,
+# moonshotai/Kimi-K2.5 (its text_config).
 GPU_TARGETS = {
     "llama31-8b-8gpu": {"num_layers": 32, "hidden_size": 4096, "vocab_size": 128256},
     "deepseek-v3-8gpu": {"num_layers": 61, "hidden_size": 7168, "vocab_size": 129280},
+    "kimi-k25-8gpu": {"num_layers": 61, "hidden_size": 7168, "vocab_size": 163840},
 }
 ONE_GIB = 1 << 30
 
@@ -68,7 +70,7 @@ def test_benchmark_serves_with_sglang(name):
     bench = preset(name).bench
     assert bench.engine == "sglang" and bench.num_steps == 3 and bench.draft_tokens == 4
     args = bench.sglang_extra_args
-    assert int(args[args.index("--tp-size") + 1]) == (8 if name == "deepseek-v3-8gpu" else 1)
+    assert int(args[args.index("--tp-size") + 1]) == (1 if name == "llama31-8b-8gpu" else 8)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)

@@ -163,7 +163,11 @@ def test_engine_command_prints_what_sglang_accepts_for_every_stage(sglang_kit, t
     export = tmp_path / "run" / "export" / "sglang"
     export.parent.mkdir(parents=True)
     draft.rename(export)
-    infos = {stage: resolved_server_info(engine_command(config, stage)) for stage in ("extract", "bench", "baseline")}
+    stages = ("generate", "extract", "bench", "baseline")
+    infos = {stage: resolved_server_info(engine_command(config, stage)) for stage in stages}
+    # regeneration: a plain server (no speculation, no capture) with the configured tensor parallelism
+    assert infos["generate"]["speculative_algorithm"] is None and infos["generate"]["aux_hidden_state_capture"] is None
+    assert infos["generate"]["tp_size"] == config.dataset.generation.sglang_tp_size
     assert infos["extract"]["aux_hidden_state_capture"] == "eagle3"
     assert infos["extract"]["forward_hooks"][0]["config"]["dir"] == str(tmp_path / "run" / "extract" / "sglang-capture")
     assert infos["bench"]["speculative_algorithm"] == "EAGLE3"

@@ -41,7 +41,7 @@ from eyas.export.drafter_dir import read_export_provenance
 from eyas.export.reader import load_exported_draft
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.shards.reader import ShardSamples
-from eyas.target import embed_weight, target_fingerprint
+from eyas.target import check_remote_code, embed_weight, target_fingerprint
 
 BENCHMARK_FILE = "benchmark.json"
 PLOTS_FILE = "acceptance.png"
@@ -75,7 +75,9 @@ BENCHMARK_FIELDS = {
 }
 
 
-def encode_prompts(prompts: Sequence[Prompt], target_path: str | Path) -> list[list[int]]:
+def encode_prompts(
+    prompts: Sequence[Prompt], target_path: str | Path, *, trust_remote_code: bool = False
+) -> list[list[int]]:
     """Token-id lists as they are; texts through the target's tokenizer; conversations
     ([{role, content}, ...]) through its chat template exactly as the dataset stage encodes them."""
     tokenizer = None
@@ -86,7 +88,8 @@ def encode_prompts(prompts: Sequence[Prompt], target_path: str | Path) -> list[l
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(target_path)
+                check_remote_code(target_path, trust_remote_code)
+                tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
             if is_conversation:
                 prompt = prompt_token_ids(tokenizer, list(prompt))
             else:
@@ -232,7 +235,7 @@ def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
     if b.engine == "sglang":
         result = run_sglang_benchmark(
             bench_launch(config, export_dir),
-            encode_prompts(prompts, config.target.model_path),
+            encode_prompts(prompts, config.target.model_path, trust_remote_code=config.target.trust_remote_code),
             max_new_tokens=b.max_new_tokens,
             concurrency=b.sglang_concurrency,
             startup_timeout_s=b.sglang_startup_timeout_s,

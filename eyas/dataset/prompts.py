@@ -50,5 +50,7 @@ def check_conversation(row: dict, where: str) -> None:
 def prompt_token_ids(tokenizer, conversation: list[dict]) -> list[int]:
     """The prompt as the target sees it: the chat template with a generation prompt, else the raw text."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True))
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
     return tokenizer("".join(t["content"] for t in conversation), add_special_tokens=False)["input_ids"]

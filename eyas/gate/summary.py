@@ -14,6 +14,29 @@ from eyas.markdown import dict_table
 from eyas.train.launch import JOB_FILE, format_command, gpu_hours_estimate, planned_steps, torchrun_command
 
 
+def dataset_notes(dataset: dict) -> list[str]:
+    """The dataset's row accounting, and a warning when its responses were sampled otherwise than the benchmark
+    decodes."""
+    notes = []
+    acct = dataset.get("accounting") or {}
+    if acct:
+        reasons = {**acct.get("failed_reasons", {}), **acct.get("skipped_reasons", {})}
+        notes.append(
+            f"rows: {acct['answered']} answered + {acct['failed']} failed + {acct['skipped']} skipped = "
+            f"{acct['input']} input"
+            + (f" ({'; '.join(f'{n} x {r}' for r, n in reasons.items())})" if reasons else "")
+            + (f"; token ids {acct['token_ids_source']}" if acct.get("token_ids_source") else "")
+        )
+    gen, bench = dataset.get("generation_temperature"), dataset.get("bench_temperature")
+    if gen is not None and bench is not None and gen != bench:
+        notes.append(
+            f"**sampling mismatch**: the responses were sampled at temperature {gen}, the benchmark decodes at "
+            f"{bench}; the draft learns the distribution it was trained on, so tau measured at {bench} may fall "
+            "short: regenerate at the serving temperature, or benchmark at the training one"
+        )
+    return notes
+
+
 def gate_summary(
     config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict
 ) -> str:
@@ -23,7 +46,8 @@ def gate_summary(
     lines = [
         f"# Approve training of `{config.name}`",
         "## Dataset",
-        dict_table([dataset]),
+        dict_table([{k: v for k, v in dataset.items() if not isinstance(v, dict)}]),
+        *dataset_notes(dataset),
         "## Shard verification",
         dict_table([verified]),
         "## Draft modules",

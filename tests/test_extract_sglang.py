@@ -118,8 +118,10 @@ def test_a_launched_server_serves_features_and_is_stopped_on_close(
         cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
         launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
     )  # fmt: skip
-    feats = backend.features(SAMPLES)
-    backend.close()
+    try:
+        feats = backend.features(SAMPLES)
+    finally:
+        backend.close()  # the launched server stops whatever happened
     assert_equal_to_hf(feats, random_target_dir)
     assert "double of sglang.launch_server (aux capture)" in (tmp_path / "sglang.log").read_text()
     with pytest.raises(urllib.error.URLError):

@@ -194,3 +194,25 @@ def test_the_gate_shows_the_accounting_and_a_sampling_mismatch():
                     "to answer); token ids {'server': 8}")  # fmt: skip
     assert mismatch.startswith("**sampling mismatch**: the responses were sampled at temperature 0.7, the benchmark")
     assert dataset_notes({"accounting": acct, "generation_temperature": 0.0, "bench_temperature": 0.0}) == [rows]
+
+
+def test_eyas_launches_the_regeneration_server_and_stops_it(reference, tiny_target_dir, tmp_path, monkeypatch):
+    """generator sglang without server_urls: eyas starts the server of `eyas engine-command --stage generate`
+    (here the double in its place: eyas.dataset.build.generation_launch with the double's module) and stops it."""
+    from dataclasses import replace
+
+    import eyas.dataset.build as build
+
+    ref_config, _ = reference
+    port = free_port()
+    real = build.generation_launch
+    monkeypatch.setattr(build, "generation_launch", lambda gen, target: replace(real(gen, target),
+                        module="tests.generation_double", python=sys.executable))  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(REPO)
+    config = run_config(tmp_path, tiny_target_dir, "run", generator="sglang", sglang_port=port)
+    report = build_dataset(config)
+    assert report.accounting["answered"] == NUM_PROMPTS and table(config) == table(ref_config)
+    assert "generation double serving" in (config.paths.dataset_dir / "sglang-generate.log").read_text()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)

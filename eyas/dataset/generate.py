@@ -9,8 +9,9 @@ Generators (one interface: `answer(item) -> Answer`, or `answer_batch(items)` fo
 - hf: transformers in this process, batched greedy or sampled decoding (small targets, the demo);
 - sglang: SGLang's POST /generate with `input_ids` (managers/io_struct.py GenerateReqInput), so the tokens
   trained on are the ones the target produced (`output_ids` of the answer): no re-tokenization;
-- openai: any OpenAI-compatible server (vLLM, SGLang's /v1): `/v1/completions` with the prompt's token ids
-  and `return_token_ids` (vLLM returns `choices[0].token_ids`), or `/v1/chat/completions` with the messages;
+- openai: any OpenAI-compatible server (vLLM, SGLang's /v1): `/v1/completions` with the prompt's token ids, or
+  `/v1/chat/completions` with the messages, both with `return_token_ids` (vLLM >= 0.10.2 answers with
+  `choices[0].token_ids`, vllm/entrypoints/openai/protocol.py);
   where the server returns no token ids the text is re-tokenized and the report says so
   (`token_ids_source: retokenized`: the ids may differ from the ones the target sampled).
 Every server URL of `dataset.generation.server_urls` gets `max_in_flight` worker threads that take requests
@@ -248,12 +249,13 @@ class OpenAIGenerator:
         self.model, self.endpoint, self.tokenizer = model, endpoint, tokenizer
 
     def answer(self, url: str, item: Item) -> Answer:
-        common = {"model": self.model, "max_tokens": self.sampling.max_new_tokens,
+        # return_token_ids: vLLM (>= 0.10.2) then puts the generated ids in choices[0].token_ids (both endpoints)
+        common = {"model": self.model, "max_tokens": self.sampling.max_new_tokens, "return_token_ids": True,
                   "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}  # fmt: skip
         if self.endpoint == "chat":
             answer = _post(f"{url}/v1/chat/completions", {**common, "messages": item.turns}, self.timeout_s)
         else:
-            body = {**common, "prompt": item.prompt_ids, "return_token_ids": True}
+            body = {**common, "prompt": item.prompt_ids}
             answer = _post(f"{url}/v1/completions", body, self.timeout_s)
         try:
             choice = answer["choices"][0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 TMP_MARKER = ".tmp-"
@@ -80,3 +81,73 @@ def read_json_record(path: Path) -> dict | None:
             f"{path}: not valid JSON ({e}); eyas writes this file whole, so something else changed it: "
             "delete it to have the stage write it again"
         ) from e
+
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
+SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                        "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets): its length checked against
+    the format's bound and the file's size before anything is read, its JSON an object."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        file_size = os.fstat(f.fileno()).st_size
+        if not 2 <= size <= min(MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(
+                f"{path}: not a safetensors file (header length {size}, file size {file_size} bytes); expected "
+                "safetensors weights (an 8-byte header length, then that many bytes of JSON)"
+            )
+        try:
+            header = json.loads(f.read(size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(
+                f"{path}: safetensors header is not JSON ({err}); the file is damaged or foreign"
+            ) from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is a {type(header).__name__}, expected a JSON object")
+    return header
+
+
+def checked_safetensors_header(path: Path) -> dict:
+    """read_safetensors_header, and every tensor entry checked against the file before a reader trusts it:
+    a known dtype, a shape of non-negative integers, offsets inside the file's data that match dtype x shape,
+    no two tensors overlapping. For files eyas did not write (drafters, a target's weights)."""
+    path = Path(path)
+    header = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        data = os.fstat(f.fileno()).st_size - 8 - struct.unpack("<Q", f.read(8))[0]
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: entry {entry!r:.80} is not an object; the file is damaged or foreign")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in SAFETENSORS_ITEMSIZE:
+            raise ValueError(f"{where}: dtype {dtype!r}, expected one of {sorted(SAFETENSORS_ITEMSIZE)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{where}: shape {shape!r:.80}, expected a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data):  # fmt: skip
+            raise ValueError(
+                f"{where}: data_offsets {offsets!r:.80}, expected [start, end] with 0 <= start <= end <= {data} "
+                "(the bytes after the header); the file is truncated or damaged"
+            )
+        count = 1
+        for d in shape:
+            count *= d
+        if offsets[1] - offsets[0] != count * SAFETENSORS_ITEMSIZE[dtype]:
+            raise ValueError(
+                f"{where}: {offsets[1] - offsets[0]} bytes for {dtype} {shape} ({count * SAFETENSORS_ITEMSIZE[dtype]} "
+                "expected); the file is damaged"
+            )
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+        if b0 < a1 and b1 > b0 and a1 > a0:
+            raise ValueError(f"{path}: tensors {a!r} and {b!r} overlap (bytes {b0}..{a1}); the file is damaged")
+    return header

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
+
+from eyas.fsio import MAX_HEADER_BYTES, read_safetensors_header  # noqa: F401 -- re-exported
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -27,25 +27,10 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
 EMBED_KEY = "model.embed_tokens.weight"
 # transformers' from_pretrained is not thread-safe: two model loads overlapping in two threads (extraction
 # workers are threads) leave a tied lm_head on the meta device in most loads. One load at a time.
 HF_LOAD_LOCK = threading.RLock()
-
-
-def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets), its length bounded."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        file_size = os.fstat(f.fileno()).st_size
-        if not 2 <= size <= min(MAX_HEADER_BYTES, file_size - 8):
-            raise ValueError(
-                f"{path}: not a safetensors file (header length {size}, file size {file_size} bytes); "
-                "expected the weights of a Hugging Face model directory"
-            )
-        return json.loads(f.read(size))
 
 
 def target_fingerprint(model_path: str | Path) -> str:

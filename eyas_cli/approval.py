@@ -14,13 +14,38 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTas
 from prefect.flow_runs import resume_flow_run
 
 
+def check_run_id(run_id: str | UUID) -> UUID:
+    """The flow run id as a UUID; a UserError naming the mistake otherwise."""
+    from eyas_cli.errors import UserError
+
+    try:
+        return UUID(str(run_id))
+    except ValueError:
+        raise UserError(
+            f"eyas approve {run_id}: not a flow run id; expected the UUID the waiting run printed (or `eyas status` "
+            "shows), e.g. 0b6c4a3e-2f1d-4c6b-9a57-3e8f0d1c2b4a"
+        ) from None
+
+
 def approve_run(run_id: str | UUID, *, approve: bool, reviewer: str, note: str = "") -> None:
     """Resume a run paused at the gate; refuses a run that is not waiting."""
+    from prefect.exceptions import ObjectNotFound
+
+    from eyas_cli.errors import UserError
+
+    flow_run_id = check_run_id(run_id)
     with get_client(sync_client=True) as client:
-        run = client.read_flow_run(UUID(str(run_id)))
+        try:
+            run = client.read_flow_run(flow_run_id)
+        except ObjectNotFound:
+            raise UserError(
+                f"eyas approve {run_id}: no flow run with this id on the Prefect server at "
+                f"{client.api_url}; expected the id of a run waiting at the approval gate (the Prefect UI or "
+                "`eyas status` lists them)"
+            ) from None
     if run.state is None or not run.state.is_paused():
         state = run.state.name if run.state else "no state"
-        raise RuntimeError(
+        raise UserError(
             f"flow run {run_id} ({run.name}) is {state}, not Paused at the approval gate; nothing to answer"
         )
     resume_flow_run(run.id, run_input={"approve": approve, "reviewer": reviewer, "note": note})

@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from eyas.export.serving import ENGINES
 
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="print the traceback of any error (or EYAS_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the pipeline on the tiny target")
     demo.add_argument("--workdir", default="runs/demo")
@@ -87,9 +88,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_config(path: str, workdir: str | None = None):
-    from eyas.config import load_run_config
+    from pydantic import ValidationError
 
-    config = load_run_config(path)
+    from eyas.config import RunConfig, load_run_config
+    from eyas_cli.errors import PRESET_HINT, UserError, format_validation_error
+
+    if not Path(path).is_file():
+        raise UserError(f"config {path}: no such file; expected a JSON RunConfig, e.g. {PRESET_HINT}")
+    try:
+        config = load_run_config(path)
+    except ValidationError as err:
+        raise UserError(format_validation_error(err, f"config {path}", RunConfig)) from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"config {path}: not text ({err}); expected a JSON RunConfig") from None
     return config.model_copy(update={"workdir": workdir}) if workdir else config
 
 
@@ -165,7 +176,7 @@ def run_remap(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as err:
         print(f"eyas remap: {err}", file=sys.stderr)
-        return 1
+        return 2  # bad input: the source cannot be converted as asked
     print(f"{args.src} -> {out} ({args.to}); key set and shapes checked")
     return 0
 
@@ -178,7 +189,13 @@ def show_status(run: str, as_json: bool) -> int:
     try:
         status = run_status(run, presets_dir=REPO / "deployments")
     except (OSError, ValueError) as err:
-        print(f"eyas status: {err}", file=sys.stderr)
+        from pydantic import ValidationError
+
+        from eyas.config import RunConfig
+        from eyas_cli.errors import format_validation_error
+
+        text = format_validation_error(err, f"config {run}", RunConfig) if isinstance(err, ValidationError) else err
+        print(f"eyas status: {text}", file=sys.stderr)
         return 2
     api = os.environ.get("PREFECT_API_URL") or DEFAULT_API_URL
     if healthy(api):
@@ -224,7 +241,13 @@ def show_target(path: str, as_json: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from eyas_cli.errors import guarded
+
     args = parse_args(argv)
+    return guarded(lambda: dispatch(args), debug=args.debug)
+
+
+def dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return run_pipeline(load_config(str(DEMO_PRESET), args.workdir), args.approve)
     if args.command == "run":
@@ -232,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in STAGES:
         return run_stage(args.command, load_config(args.config))
     if args.command == "approve":
+        from eyas_cli.approval import check_run_id
+
+        check_run_id(args.run_id)  # before a server is started or asked
         connect()
         from eyas_cli.approval import approve_run
 
-        approve_run(args.run_id, approve=not args.reject, reviewer=args.reviewer, note=args.note)
+        approve_run(args.run_id, approve=not args.reject, reviewer=args.reviewer, note=args.note)  # UserError
         print(f"flow run {args.run_id}: {'rejected' if args.reject else 'approved'} by {args.reviewer}")
         return 0
     if args.command == "inspect":
@@ -268,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stop":
         from eyas.train.preflight import stop_recorded
 
+        if not Path(args.train_dir).is_dir():
+            from eyas_cli.errors import UserError
+
+            raise UserError(
+                f"eyas stop {args.train_dir}: no such directory; expected a run's train directory (RUN/train)"
+            )
         stopped = stop_recorded(Path(args.train_dir))
         print(f"stopped {stopped}" if stopped else f"no process recorded in {args.train_dir} is running")
         return 0

@@ -58,7 +58,9 @@ def ensure_server(state_dir: Path) -> str:
     configured = os.environ.get("PREFECT_API_URL")
     if configured:
         if not healthy(configured):
-            raise RuntimeError(
+            from eyas_cli.errors import UserError
+
+            raise UserError(
                 f"PREFECT_API_URL={configured} does not answer /health; start that server or unset the "
                 f"variable to let eyas start a local one"
             )

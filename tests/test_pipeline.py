@@ -132,13 +132,12 @@ def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server, e2e_confi
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
     from eyas_cli.approval import approve_run
+    from eyas_cli.errors import UserError
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])))
     assert runs, "no pipeline run recorded on the server"
-    with pytest.raises(
-        RuntimeError, match=r"is (Completed|Failed), not Paused at the approval gate; nothing to answer"
-    ):
+    with pytest.raises(UserError, match=r"is (Completed|Failed), not Paused at the approval gate; nothing to answer"):
         approve_run(runs[0].id, approve=True, reviewer="late")
 
 

@@ -108,7 +108,7 @@ def test_remap_cli_converts_and_reports(ckpt, tmp_path, capsys):
     assert load_file(tmp_path / "spec" / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
     assert "(speculators); key set and shapes checked" in capsys.readouterr().out
     assert main(["remap", str(tmp_path / "spec"), str(tmp_path / "sglang"), "--to", "sglang"]) == 0
-    assert main(["remap", str(tmp_path / "sglang"), str(tmp_path / "e"), "--to", "eyas"]) == 1
+    assert main(["remap", str(tmp_path / "sglang"), str(tmp_path / "e"), "--to", "eyas"]) == 2
     assert "no embed_tokens.weight, expected one for format 'eyas'" in capsys.readouterr().err
     assert main(["remap", str(ckpt), str(tmp_path / "t"), "--to", "tgi"]) == 2
 

@@ -37,9 +37,12 @@ def _rows(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        from eyas.dataset.table import parquet_errors
+
+        with parquet_errors(path, "conversations file", "a Parquet table of conversations (or JSONL)"):
+            return pq.read_table(path).to_pylist()
     rows = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="strict") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 try:

@@ -12,6 +12,7 @@ from the Parquet footer (`tokenized_num_samples`), the lengths from one column (
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -62,15 +63,32 @@ def write_tokenized_table(
     commit_temp(tmp, path)
 
 
+@contextmanager
+def parquet_errors(
+    path,
+    what: str = "tokenized dataset",
+    fix: str = "the dataset stage's tokenized.parquet: rebuild it (eyas dataset CONFIG)",
+):
+    """A file that is not Parquet (or lacks a column) is refused naming it, not with pyarrow's bare message."""
+    try:
+        yield
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIOError, KeyError) as err:
+        raise ValueError(
+            f"{what} {path}: not a readable Parquet table ({type(err).__name__}: {err}); expected {fix}"
+        ) from None
+
+
 def read_tokenized_meta(path: Path) -> dict[str, str]:
     """The table's `eyas.*` schema metadata (reads the footer only)."""
-    meta = pq.read_schema(path).metadata or {}
+    with parquet_errors(path):
+        meta = pq.read_schema(path).metadata or {}
     return {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"eyas.")}
 
 
 def read_dataset_hash(path: Path) -> str:
     """The content hash in the tokenized table's schema metadata (reads the footer only)."""
-    meta = pq.read_schema(path).metadata or {}
+    with parquet_errors(path):
+        meta = pq.read_schema(path).metadata or {}
     if DATASET_HASH_KEY not in meta:
         raise ValueError(
             f"tokenized dataset {path}: schema metadata lacks {DATASET_HASH_KEY.decode()!r}; "
@@ -81,17 +99,20 @@ def read_dataset_hash(path: Path) -> str:
 
 def tokenized_num_samples(path: str | Path) -> int:
     """Samples in a tokenized table (from the Parquet footer; reads no rows)."""
-    return pq.read_metadata(path).num_rows
+    with parquet_errors(path):
+        return pq.read_metadata(path).num_rows
 
 
 def sample_lengths(path: str | Path) -> list[int]:
     """Tokens per sample, in dataset order (reads the num_tokens column only)."""
-    return pq.read_table(path, columns=["num_tokens"]).column("num_tokens").to_pylist()
+    with parquet_errors(path):
+        return pq.read_table(path, columns=["num_tokens"]).column("num_tokens").to_pylist()
 
 
 def token_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """Every sample's input_ids (int64) and loss_mask (uint8), concatenated in dataset order, as numpy."""
-    table = pq.read_table(path, columns=["input_ids", "loss_mask"])
+    with parquet_errors(path):
+        table = pq.read_table(path, columns=["input_ids", "loss_mask"])
     ids = table.column("input_ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     return ids.astype(np.int64), mask.astype(np.uint8)
@@ -108,7 +129,8 @@ class TokenizedDataset:
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenized dataset {self.path}: no such file; run the dataset stage first")
         self.dataset_hash = read_dataset_hash(self.path)
-        table = pq.read_table(self.path, columns=list(self.COLUMNS))
+        with parquet_errors(self.path):
+            table = pq.read_table(self.path, columns=list(self.COLUMNS))
         self.input_ids = table.column("input_ids").combine_chunks()
         self.loss_mask = table.column("loss_mask").combine_chunks()
         self.num_tokens = table.column("num_tokens").to_pylist()

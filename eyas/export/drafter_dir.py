@@ -19,7 +19,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eyas.export.bin_weights import bin_tensor_shapes, bin_tensor_values
-from eyas.fsio import read_json_record, replace_dir, temp_path
+from eyas.fsio import checked_safetensors_header, read_json_record, replace_dir, temp_path
 
 MODEL_FILE = "model.safetensors"
 BIN_FILE = "pytorch_model.bin"  # read, never written
@@ -46,14 +46,15 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     (eyas.export.bin_weights): no torch."""
     if Path(path).name == BIN_FILE:
         return bin_tensor_shapes(path)
-    with safe_open(str(path), framework="numpy") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    header = checked_safetensors_header(path)  # a foreign file is refused before anything is allocated
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
 def read_small_tensor(path: Path, name: str) -> list:
     """The values of one small tensor (d2t, t2d) as a list; no other tensor is read."""
     if Path(path).name == BIN_FILE:
         return bin_tensor_values(path, name).tolist()
+    checked_safetensors_header(path)
     with safe_open(str(path), framework="numpy") as f:
         return f.get_tensor(name).tolist()
 

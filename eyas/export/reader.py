@@ -39,6 +39,7 @@ from eyas.export.keys import (
     invert_key_map,
 )
 from eyas.export.producers import Producer, identify_producer
+from eyas.fsio import checked_safetensors_header
 from eyas.layer_ids import default_aux_layer_ids
 from eyas.train.checkpoint import DraftCheckpoint, read_checkpoint
 
@@ -102,6 +103,7 @@ def read_drafter(
 def _load_tensors(weights: Path) -> dict[str, torch.Tensor]:
     if weights.name == BIN_FILE:
         return dict(torch.load(weights, map_location="cpu", weights_only=True, mmap=True))
+    checked_safetensors_header(weights)
     return load_file(weights)
 
 
@@ -119,6 +121,7 @@ def _default_ids(root: Path, fmt: str, provenance: dict, num_target_layers: int 
 
 def _read_embedding(path: Path, ckpt: DraftCheckpoint) -> torch.Tensor:
     expected = (ckpt.arch.target_vocab_size, ckpt.arch.hidden_size)
+    checked_safetensors_header(path)
     with safe_open(path, framework="pt") as f:
         names = [k for k in EMBED_KEYS if k in f.keys()]
         if not names:

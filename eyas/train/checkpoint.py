@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.draft import DraftArch, Eagle3Draft
 from eyas.draft_keys import KeyCheckError, check_key_set, expected_eyas_shapes
-from eyas.fsio import TMP_MARKER, fsync_path, replace_dir, temp_path
+from eyas.fsio import TMP_MARKER, checked_safetensors_header, fsync_path, replace_dir, temp_path
 from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.train.parallel import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 
@@ -228,6 +228,7 @@ def _checked_state(checkpoint_dir: Path, arch: DraftArch, *, embed_optional: boo
     path = checkpoint_dir / MODEL_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint_dir}: no {MODEL_FILE}; expected a training checkpoint")
+    checked_safetensors_header(path)
     state = load_file(path)
     expected = expected_eyas_shapes(arch)
     if embed_optional and "embed_tokens.weight" not in state:

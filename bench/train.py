@@ -5,7 +5,9 @@ Usage: .venv/bin/python bench/train.py [--steps 40]
 The trainer runs in-process as one rank (gloo), reading memory-mapped shards, logging metrics and
 writing checkpoints every `steps // 4` steps. The baseline trains the same draft on batches that
 are already collated in memory, with nothing else. Goal: steps_ratio >= 0.90 (loader, logging and
-checkpoints cost at most 10%). The last line is one JSON object.
+checkpoints cost at most 10%). The trainer runs again with `train.verify_reads` off (the default checks each
+shard's XXH3 against the manifest when it is first opened): `verify_reads_cost` is the fraction of the
+trainer's time those checked reads add. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -85,14 +87,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             job = make_job(Path(tmp), args.steps)
             minimal_s = time_minimal(job, args.steps)
-            trainer_s = time_trainer(job)
+            trainer_s = time_trainer(job)  # verify_reads on, the default
+            unchecked = job.model_copy(update={"output_dir": str(Path(tmp) / "out-unchecked"),
+                                               "train": job.train.model_copy(update={"verify_reads": False})})  # fmt: skip
+            unchecked_s = time_trainer(unchecked)
     finally:
         dist.destroy_process_group()
     ratio = minimal_s / trainer_s
     print(f"{'loop':28s} {'seconds':>8s} {'steps/s':>8s}")
     print(f"{'minimal in-memory loop':28s} {minimal_s:8.2f} {args.steps / minimal_s:8.2f}")
     print(f"{'eyas trainer':28s} {trainer_s:8.2f} {args.steps / trainer_s:8.2f}")
+    print(f"{'eyas trainer, unchecked reads':28s} {unchecked_s:8.2f} {args.steps / unchecked_s:8.2f}")
     print(f"steps_ratio (trainer / minimal, goal >= 0.90): {ratio:.3f}")
+    print(f"verify_reads_cost (checked / unchecked - 1): {trainer_s / unchecked_s - 1:.3f}")
     print(
         json.dumps(
             {
@@ -100,6 +107,8 @@ def main() -> None:
                 "steps": args.steps,
                 "minimal_s": round(minimal_s, 3),
                 "trainer_s": round(trainer_s, 3),
+                "trainer_unchecked_s": round(unchecked_s, 3),
+                "verify_reads_cost": round(trainer_s / unchecked_s - 1, 4),
             }
         )
     )

@@ -257,6 +257,11 @@ class DraftConfig(StrictModel):
 
 class TrainConfig(StrictModel):
     num_processes: int = Field(default=2, ge=1, description="torchrun --nproc_per_node")
+    verify_reads: bool = Field(
+        default=True,
+        description="check each shard's XXH3 checksum against the manifest when the trainer first opens it "
+        "(its size and header are always checked); about one read of the shard set per process, at page-cache speed",
+    )
     backend: Literal["gloo", "nccl"] = Field(default="gloo", description="torch.distributed backend")
     num_epochs: int = Field(default=1, ge=1, description="passes over the training samples")
     global_batch_size: int = Field(default=8, ge=1, description="samples per optimizer step, all ranks")

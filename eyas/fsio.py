@@ -151,3 +151,41 @@ def checked_safetensors_header(path: Path) -> dict:
         if b0 < a1 and b1 > b0 and a1 > a0:
             raise ValueError(f"{path}: tensors {a!r} and {b!r} overlap (bytes {b0}..{a1}); the file is damaged")
     return header
+
+
+# torch dtype (by name: this module does not import torch) -> safetensors dtype
+SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.int64": "I64",
+                      "torch.int32": "I32", "torch.uint8": "U8", "torch.bool": "BOOL"}  # fmt: skip
+
+
+def serialize_safetensors(tensors: dict, metadata: dict[str, str]) -> bytearray:
+    """safetensors bytes that depend only on the tensors and the metadata: header keys sorted (the metadata's
+    too: safetensors' own writer orders them by hash), tensors laid out by descending item size then name (so
+    each is aligned to its dtype). Shards, the vocab mapping: every file eyas writes this way is byte-for-byte
+    the same for the same inputs."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if str(t.dtype) not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype}, expected one of {list(SAFETENSORS_DTYPES)}")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    head += b" " * (-len(head) % 8)
+    out = bytearray(8 + len(head) + offset)
+    out[:8] = struct.pack("<Q", len(head))
+    out[8 : 8 + len(head)] = head
+    pos = 8 + len(head)
+    for name in order:
+        t = tensors[name].detach().cpu().contiguous().reshape(-1)
+        size = t.numel() * t.element_size()
+        if size:
+            import torch
+
+            out[pos : pos + size] = t.view(torch.uint8).numpy().data
+        pos += size
+    return out

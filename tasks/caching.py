@@ -59,6 +59,25 @@ def workdir_id(root: Path) -> str:
     return path.read_text().strip()
 
 
+def shard_files(shards_dir: Path) -> str:
+    """Evidence that every file of the shard set is the one a cached result saw: for each file in the shard
+    directory (shards and strays alike), its name, size, mtime and ctime (ctime cannot be set back by hand:
+    any write or touch moves it) and the XXH3 of its first MiB (the safetensors header and the first data).
+    A damaged, truncated, deleted, swapped or added file changes it, so the task runs again."""
+    from eyas.checksum import checksum_bytes
+
+    shards_dir = Path(shards_dir)
+    if not shards_dir.is_dir():
+        return "absent"
+    parts = []
+    for path in sorted(p for p in shards_dir.iterdir() if p.is_file() and p.name != MANIFEST_NAME):
+        st = path.stat()
+        with open(path, "rb") as f:
+            head = checksum_bytes(f.read(1 << 20))
+        parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{head}")
+    return checksum_bytes("\n".join(parts).encode())
+
+
 # The durable inputs a task may read, each by a content hash (cheap: small files or headers).
 INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
     # prompts file bytes + dataset config + target fingerprint: the dataset's own cache key
@@ -67,6 +86,8 @@ INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
     "vocab": lambda c: file_content(c.paths.vocab),
     # the local manifest lists every shard with its checksum: it stands for the shards' bytes
     "manifest": lambda c: file_content(c.paths.shards_dir / MANIFEST_NAME),
+    # the shard files themselves: a result is reused only for the very files it saw (shard_files)
+    "shard_files": lambda c: shard_files(c.paths.shards_dir),
 }
 
 

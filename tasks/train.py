@@ -41,7 +41,9 @@ def relaunch_if_progressed(task, task_run, state) -> bool:
 # retried: compute on local files, and a loss that does not fall is deterministic.
 @task(
     name="smoke-run",
-    **cached_by(("target", "dataset", "extract", "draft", "train", "smoke"), ("tokenized", "vocab", "manifest")),
+    **cached_by(
+        ("target", "dataset", "extract", "draft", "train", "smoke"), ("tokenized", "vocab", "manifest", "shard_files")
+    ),
 )
 def smoke_run(config: RunConfig, facts: RunFacts) -> dict:
     """Overfit a handful of samples for a few dozen steps: the loss must fall before the gate."""

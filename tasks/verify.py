@@ -14,8 +14,13 @@ from tasks.reporting import StageProgress, table_artifact
 from tasks.retry import TRANSIENT_IO
 
 
-# Cached by the manifest (every shard with its checksum) and the tokenized table; storage errors retried.
-@task(name="verify-shards", **cached_by(("target", "extract", "verify"), ("tokenized", "manifest")), **TRANSIENT_IO)
+# Cached by the manifest, the shard files themselves (size, times, first MiB: a file changed since cannot come
+# back "ok" from the cache) and the tokenized table; storage errors retried.
+@task(
+    name="verify-shards",
+    **cached_by(("target", "extract", "verify"), ("tokenized", "manifest", "shard_files")),
+    **TRANSIENT_IO,
+)
 def verify_shard_set(config: RunConfig, facts: RunFacts, heal_round: int = 0) -> VerifyReport:
     """Check every shard against the manifest, the dataset and the run config; write the Parquet report."""
     with StageProgress("verify-progress", "verifying shards", "shards_done", "shards_total") as progress:

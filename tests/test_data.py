@@ -110,3 +110,70 @@ def test_collate_pads_to_min_len_with_invalid_masked_columns(tiny_run):
     assert batch["input_ids"].shape == (1, 8)
     assert batch["valid"][0].tolist() == [True] * 4 + [False] * 4
     assert not batch["loss_mask"][0, 4:].any()
+
+
+def _damage(path, *, truncate: bool = False) -> None:
+    data = bytearray(path.read_bytes())
+    if truncate:
+        path.write_bytes(bytes(data[:-16]))
+    else:
+        data[-5] ^= 0xFF  # a byte of tensor data: the header still parses
+        path.write_bytes(bytes(data))
+
+
+def test_a_shard_damaged_after_verification_is_refused_by_name(tmp_path):
+    run = write_tiny_run(tmp_path / "run", num_samples=25, per_shard=10)
+    shards = run["shards"]
+    _damage(shards / "shard-00001.safetensors")
+    samples = ShardSamples(shards, verify_reads=True)  # shard 0 is fine
+    samples.load_sample(3)
+    with pytest.raises(
+        ShardDataError, match=r"shard shard-00001.safetensors: checksum xxh3-128:[0-9a-f]+\.\.\., the manifest"
+    ):
+        samples.load_sample(12)
+    assert ShardSamples(shards).load_sample(12)["sample_index"] == 12  # unchecked: the flip goes unnoticed
+    _damage(shards / "shard-00002.safetensors", truncate=True)
+    with pytest.raises(ShardDataError, match=r"shard-00002.safetensors: \d+ bytes, the manifest says \d+"):
+        ShardSamples(shards).load_sample(22)  # the size is checked always
+
+
+def test_the_trainer_stops_before_training_on_a_damaged_shard(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from run_fixtures import REPO, tiny_job
+
+    from eyas.train.launch import write_train_job
+
+    run = write_tiny_run(tmp_path / "run", num_samples=25, per_shard=10)
+    _damage(run["shards"] / "shard-00000.safetensors")
+    job = write_train_job(tiny_job(run, tmp_path / "out"), tmp_path / "job.json")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "eyas.train", "--config", str(job)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0 and "shard shard-00000.safetensors: checksum" in done.stdout + done.stderr
+    assert not list((tmp_path / "out").glob("step-*"))  # no step was trained
+
+
+def test_a_finished_training_is_not_relaunched_for_the_same_job(tmp_path):
+    import json
+
+    from draft_fixtures import write_checkpoint
+    from run_fixtures import tiny_job
+
+    from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE
+    from eyas.train.launch import JOB_FILE, finished_run, write_train_job
+
+    run = write_tiny_run(tmp_path / "run", num_samples=25, per_shard=10)
+    train_dir = tmp_path / "train"
+    job = tiny_job(run, train_dir)
+    write_train_job(job, train_dir / JOB_FILE)
+    last = write_checkpoint(train_dir / CHECKPOINTS_DIR / "step-00000012")
+    (train_dir / FINAL_FILE).write_text(json.dumps({"checkpoint": str(last), "step": 12, "final_loss": 1.0}))
+    assert finished_run(train_dir, job, 12)["step"] == 12
+    assert finished_run(train_dir, job, 13) is None  # more steps planned: resume
+    other = job.model_copy(update={"train": job.train.model_copy(update={"lr": 0.5})})
+    assert finished_run(train_dir, other, 12) is None  # another job: train it
+    write_checkpoint(train_dir / CHECKPOINTS_DIR / "step-00000014")
+    assert finished_run(train_dir, job, 12) is None  # final.json is not the newest checkpoint's

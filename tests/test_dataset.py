@@ -103,3 +103,25 @@ def test_a_report_changed_by_hand_is_an_error_naming_its_file(tmp_path):
     with pytest.raises(ValueError, match=f"{tmp_path / 'report.json'}: not valid JSON.*delete it"):
         read_dataset_report(tmp_path)
     assert read_dataset_report(tmp_path / "absent") is None
+
+
+def test_the_vocab_file_is_byte_deterministic_across_processes(tmp_path):
+    """safetensors' own writer orders metadata keys by a per-process hash; eyas's does not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (
+        "import sys, torch; from eyas.dataset.vocab import save_vocab, load_vocab; "
+        "d2t = torch.arange(8) * 4; t2d = torch.zeros(40, dtype=torch.bool); t2d[::5] = True; "
+        "save_vocab(sys.argv[1], d2t, t2d, 'abc123'); print(load_vocab(sys.argv[1])[2])"
+    )
+    outs = []
+    for i in range(4):
+        path = tmp_path / f"vocab-{i}.safetensors"
+        done = subprocess.run([sys.executable, "-c", script, str(path)], cwd=repo, capture_output=True, text=True,
+                              env={**__import__("os").environ, "PYTHONPATH": str(repo), "PYTHONHASHSEED": str(i)})  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        outs.append(path.read_bytes())
+    assert all(o == outs[0] for o in outs)

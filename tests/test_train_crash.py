@@ -18,7 +18,7 @@ from run_fixtures import tiny_job, write_tiny_run
 from safetensors.torch import load_file
 
 from eyas.train.checkpoint import latest_complete
-from eyas.train.metrics import METRIC_PREFIX
+from eyas.train.metrics import METRIC_PREFIX, METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -106,3 +106,5 @@ def test_sigkill_at_a_random_step_resumes_bit_identical(tmp_path, parallelism):
     assert resumed.keys() == reference.keys()
     different = sorted(k for k in reference if not torch.equal(reference[k], resumed[k]))
     assert different == [], f"killed at step {kill_step}, resumed from {survivor.name}: {different} differ"
+    steps = [r["step"] for r in read_metrics(tmp_path / "crashed" / METRICS_FILE)]
+    assert steps == list(range(1, STEPS + 1))  # one record per step after the resume

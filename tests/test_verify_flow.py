@@ -17,23 +17,30 @@ from eyas.shards.shard_set import QUARANTINE_DIR
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
 
-@pytest.fixture
-def config(tmp_path, tiny_target_dir, random_target_dir):
-    """A run whose tokenized dataset and shards exist; shard 1 holds a NaN (written with a valid checksum)."""
+def extracted_run(tmp_path, tiny_target_dir, random_target_dir, *, seed: int, **verify):
+    """A run config whose tokenized dataset (8 random samples) and shards exist."""
     base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
     config = base.model_copy(
         update={
             "workdir": str(tmp_path / "run"),
             "target": base.target.model_copy(update={"model_path": str(random_target_dir)}),
             "extract": base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 4}),
+            "verify": base.verify.model_copy(update=verify),
         }
     )
-    rng = random.Random(2)
+    rng = random.Random(seed)
     samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 20))] for _ in range(8)]
     config.paths.dataset_dir.mkdir(parents=True)
     write_tokenized(config.paths.tokenized, samples)
+    extract(config.paths.tokenized, config.paths.shards_dir, random_target_dir, config.extract)
+    return config
+
+
+@pytest.fixture
+def config(tmp_path, tiny_target_dir, random_target_dir):
+    """A run whose tokenized dataset and shards exist; shard 1 holds a NaN (written with a valid checksum)."""
+    config = extracted_run(tmp_path, tiny_target_dir, random_target_dir, seed=2)
     shards = config.paths.shards_dir
-    extract(config.paths.tokenized, shards, random_target_dir, config.extract)
     tensors, meta = load_shard(shards / shard_filename(1))
     tensors = {k: v.clone() for k, v in tensors.items()}
     tensors["aux_hidden_states"][0, 0] = math.nan
@@ -64,3 +71,49 @@ def test_flow_fails_with_every_reason_when_healing_runs_out(prefect_server, conf
     assert "shard verification (full) failed after 0 healing rounds: 1 of " in message
     assert "shard-00001.safetensors: aux_hidden_states has non-finite values (first at token 0" in message
     assert not (config.paths.shards_dir / QUARANTINE_DIR).exists()
+
+
+def _fault(shards, kind: str) -> None:
+    names = sorted(p.name for p in shards.glob("shard-*.safetensors"))
+    first = shards / names[0]
+    if kind == "truncate":
+        first.write_bytes(first.read_bytes()[:-100])
+    elif kind == "flip":
+        data = bytearray(first.read_bytes())
+        data[-7] ^= 0xFF
+        first.write_bytes(bytes(data))
+    elif kind == "delete":
+        first.unlink()
+    elif kind == "stray":
+        (shards / "shard-99999.safetensors").write_bytes(b"not a shard")
+    elif kind == "swap":
+        second = shards / names[1]
+        tmp = shards / "swap.tmp"
+        first.rename(tmp)
+        second.rename(first)
+        tmp.rename(second)
+    elif kind == "metadata":  # one digit of the header's JSON changed in place: same size, same data
+        data = bytearray(first.read_bytes())
+        at = data.index(b'"sample_start":"') + len(b'"sample_start":"') if b'"sample_start":"' in data else None
+        assert at is not None, "the header names sample_start"
+        data[at] = ord("9") if data[at] != ord("9") else ord("8")
+        first.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["truncate", "flip", "delete", "stray", "swap", "metadata"])
+def test_a_fault_after_a_verified_run_is_not_hidden_by_the_cache(prefect_server, tmp_path, tiny_target_dir,
+                                                                 random_target_dir, kind):  # fmt: skip
+    """A clean run verifies (and is cached); the fault is applied; the next verify runs again (the cache key
+    holds the shard files' evidence), detects it, quarantines, re-extracts, and the shards end byte for byte
+    as they were."""
+    from flows.verify import verify_flow
+
+    config = extracted_run(tmp_path, tiny_target_dir, random_target_dir, seed=3, mode="full")
+    shards = config.paths.shards_dir
+    before = {p.name: p.read_bytes() for p in shards.glob("shard-*.safetensors")}
+    assert verify_flow(config)["bad"] == 0
+    assert verify_flow(config, return_state=True).result()["bad"] == 0  # unchanged files: reused
+    _fault(shards, kind)
+    summary = verify_flow(config)
+    assert summary["quarantined"] >= 1 and summary["bad"] == 0, summary
+    assert {p.name: p.read_bytes() for p in shards.glob("shard-*.safetensors")} == before

@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eyas.config import RunConfig
 from eyas.dataset.table import read_dataset_hash, token_arrays
 from eyas.draft_keys import vocab_mapping_problems
-from eyas.fsio import commit_temp, temp_path
+from eyas.fsio import atomic_write_bytes, serialize_safetensors
 from eyas.target import embedding_rows
 
 
@@ -64,10 +63,9 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, where: str, draft_
 
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, content_hash: str) -> None:
     path = Path(path)
-    tmp = temp_path(path)
     meta = {"content_hash": content_hash, "draft_vocab_size": str(d2t.numel()), "target_vocab_size": str(t2d.numel())}
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp, metadata=meta)
-    commit_temp(tmp, path)
+    # eyas's own writer: safetensors' save_file orders the metadata keys by hash, so two runs could differ
+    atomic_write_bytes(path, bytes(serialize_safetensors({"d2t": d2t, "t2d": t2d}, meta)))
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:

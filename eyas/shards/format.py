@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Sequence
@@ -26,6 +25,7 @@ from typing import Sequence
 import torch
 
 from eyas.checksum import checksum_bytes
+from eyas.fsio import serialize_safetensors
 from eyas.shards.manifest import ManifestRow
 from eyas.storage import Storage, as_storage
 
@@ -129,47 +129,9 @@ class ShardMeta:
         return cls(**values)
 
 
-SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
 def serialize_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
-    """safetensors bytes that depend only on the tensors and the metadata: header keys sorted,
-    tensors laid out by descending item size then name (so each is aligned to its dtype)."""
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {t.dtype}, expected one of {list(SAFETENSORS_DTYPES)}")
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    head += b" " * (-len(head) % 8)
-    out = bytearray(8 + len(head) + offset)
-    out[:8] = struct.pack("<Q", len(head))
-    out[8 : 8 + len(head)] = head
-    pos = 8 + len(head)
-    for name in order:
-        t = tensors[name].detach().cpu().contiguous().reshape(-1)
-        size = t.numel() * t.element_size()
-        if size:
-            out[pos : pos + size] = t.view(torch.uint8).numpy().data
-        pos += size
-    return out
+    """safetensors bytes that depend only on the tensors and the metadata (eyas.fsio.serialize_safetensors)."""
+    return serialize_safetensors(tensors, metadata)
 
 
 def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor], meta: ShardMeta) -> ManifestRow:

@@ -6,8 +6,10 @@
 A sample is addressed by its global index (the dataset order extraction used). The manifest is read
 through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an overlap; every shard's
 `__metadata__` is parsed strictly (eyas.shards.format.ShardMeta) when the shard is first opened and
-must agree with its manifest row and with the first shard's run-wide fields. A sample is read as
-memory-mapped slices, never a whole shard.
+must agree with its manifest row and with the first shard's run-wide fields; its size must be the
+manifest's `num_bytes`, and with `verify_reads` its XXH3 checksum the manifest's `checksum` (one read of the
+file, on first open), so a shard damaged after verification is refused, named, before a step trains on it.
+A sample is read as memory-mapped slices, never a whole shard.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eyas.checksum import checksum_file, short
 from eyas.shards.format import ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
 
@@ -53,8 +56,8 @@ class ShardSamples:
     shard is checked against it when first read.
     """
 
-    def __init__(self, shards_dir: str | Path, *, max_samples: int = 0):
-        self.shards_dir = Path(shards_dir)
+    def __init__(self, shards_dir: str | Path, *, max_samples: int = 0, verify_reads: bool = False):
+        self.shards_dir, self.verify_reads = Path(shards_dir), verify_reads
         if not (self.shards_dir / MANIFEST_NAME).is_file():
             raise ShardDataError(
                 f"shards_dir {str(self.shards_dir)!r}: no {MANIFEST_NAME}; run extraction (eyas extract) first"
@@ -77,14 +80,38 @@ class ShardSamples:
         self._starts = [r.sample_start for r in self._rows]
         self.num_samples = max_samples or total
         self._offsets: dict[int, torch.Tensor] = {}
+        self._check_file(0)
         with safe_open(self._path(0), framework="pt") as f:
             self.meta = self._parse(0, f)
+        self._checked = {0}
 
     def __len__(self) -> int:
         return self.num_samples
 
     def _path(self, shard: int) -> Path:
         return self.shards_dir / self._rows[shard].file
+
+    def _check_file(self, shard: int) -> None:
+        """The file is the one the manifest lists: its size always, its checksum with verify_reads."""
+        row, path = self._rows[shard], self._path(shard)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ShardDataError(
+                f"shard {row.file}: listed in the manifest, missing on disk; run eyas verify"
+            ) from None
+        if size != row.num_bytes:
+            raise ShardDataError(
+                f"shard {row.file}: {size} bytes, the manifest says {row.num_bytes}; the file changed after "
+                "extraction (truncated or replaced): run eyas verify, which quarantines and re-extracts it"
+            )
+        if self.verify_reads:
+            found = checksum_file(path)
+            if found != row.checksum:
+                raise ShardDataError(
+                    f"shard {row.file}: checksum {short(found)}, the manifest says {short(row.checksum)}; its bytes "
+                    "changed after extraction: run eyas verify, which quarantines and re-extracts it"
+                )
 
     def _parse(self, shard: int, f) -> ShardMeta:
         """The shard's metadata, checked against its manifest row."""
@@ -134,6 +161,9 @@ class ShardSamples:
     def load_sample(self, index: int) -> dict[str, torch.Tensor | int]:
         """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH], last_hidden [T, H]."""
         shard, local = self.locate(index)
+        if shard not in self._checked:  # before safe_open: a truncated file is named, not a parse error
+            self._check_file(shard)
+            self._checked.add(shard)
         with safe_open(self._path(shard), framework="pt") as f:
             offsets = self._shard_offsets(shard, f)
             stored = int(f.get_slice("sample_indices")[local : local + 1][0])

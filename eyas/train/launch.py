@@ -100,11 +100,36 @@ def describe_start(checkpoint: Path | None, config: RunConfig) -> str:
     return f"resuming from {checkpoint} (step {state['step']}, {state['samples_consumed']} samples consumed){restore}"
 
 
+def finished_run(train_dir: Path, job: TrainJob, last_step: int) -> dict | None:
+    """final.json when the same job already trained to its last step and that checkpoint is the newest
+    complete one; None when there is training to do (a resume relaunches torchrun)."""
+    final_path, job_path = train_dir / FINAL_FILE, train_dir / JOB_FILE
+    if not final_path.is_file() or not job_path.is_file():
+        return None
+    if job_path.read_text() != job.model_dump_json(indent=2):
+        return None  # another job (config, shards, target): train it
+    final, newest = json.loads(final_path.read_text()), latest_complete(train_dir)
+    if (
+        newest is None
+        or final.get("step") != last_step
+        or Path(str(final.get("checkpoint"))).resolve() != newest.resolve()
+    ):
+        return None
+    return final
+
+
 def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict], None] | None = None) -> dict:
     """The stage entry: run the trainer under torchrun, resuming from the newest complete checkpoint; every
     rank-0 metric record goes to `on_metric`, every output line to train/torchrun.log. Returns final.json."""
     train_dir = config.paths.train_dir
-    job_path = write_train_job(train_job(config, facts), train_dir / JOB_FILE)
+    job = train_job(config, facts)
+    done = finished_run(train_dir, job, planned_steps(facts.num_samples, config))
+    if done is not None:
+        print(
+            f"training already finished at step {done['step']} ({train_dir / FINAL_FILE}, the same job): not relaunched"
+        )
+        return done
+    job_path = write_train_job(job, train_dir / JOB_FILE)
     cmd = torchrun_command(config, job_path)
     started_from = latest_complete(train_dir)
     print(describe_start(started_from, config))

@@ -36,7 +36,7 @@ from eyas.target import load_embed_and_lm_head, target_fingerprint
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, load_training_state, read_arch, write_checkpoint
 from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
 from eyas.train.data import batch_at, collate, rank_slice, total_steps
-from eyas.train.metrics import emit_metrics
+from eyas.train.metrics import emit_metrics, truncate_metrics
 from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, local_value, parallelize
 
 
@@ -64,7 +64,7 @@ def _check_shards(samples: ShardSamples, job: TrainJob, hidden_size: int, finger
 
 def build_setup(job: TrainJob) -> TrainSetup:
     """A fresh draft for the job, its shards opened and checked against the target and the job."""
-    samples = ShardSamples(job.shards_dir, max_samples=job.max_samples)
+    samples = ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=job.train.verify_reads)
     embed, lm_head = load_embed_and_lm_head(job.target_path)
     d2t, t2d, _ = load_vocab(job.vocab_path)
     vocab, hidden = embed.shape
@@ -215,6 +215,8 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, t.num_warmup_steps, self.last_step)
         state = resume(job, self.setup, self.optimizer, self.scheduler, ctx)
         self.step, self.consumed, self.loss = state["step"], state["samples_consumed"], state["loss"]
+        if ctx.rank == 0:  # the steps after the checkpoint are trained again: their old records go
+            truncate_metrics(self.output_dir, self.step)
         self.checkpoint = state["checkpoint"]
 
     def sync_copy(self) -> None:

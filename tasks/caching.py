@@ -34,6 +34,7 @@ from eyas.checksum import checksum_file
 from eyas.config import RunConfig
 from eyas.dataset.build import dataset_cache_key
 from eyas.shards.manifest import MANIFEST_NAME
+from eyas.shards.shard_set import LOCK_NAME, RUN_META_NAME
 
 WORKDIR_ID = ".eyas-workdir-id"
 
@@ -63,14 +64,17 @@ def shard_files(shards_dir: Path) -> str:
     """Evidence that every file of the shard set is the one a cached result saw: for each file in the shard
     directory (shards and strays alike), its name, size, mtime and ctime (ctime cannot be set back by hand:
     any write or touch moves it) and the XXH3 of its first MiB (the safetensors header and the first data).
-    A damaged, truncated, deleted, swapped or added file changes it, so the task runs again."""
+    A damaged, truncated, deleted, swapped or added file changes it, so the task runs again. The set's own
+    bookkeeping is left out: the manifest (an input of its own), extract.json and the coordinator's lock file,
+    which every extraction run opens again."""
     from eyas.checksum import checksum_bytes
 
     shards_dir = Path(shards_dir)
     if not shards_dir.is_dir():
         return "absent"
     parts = []
-    for path in sorted(p for p in shards_dir.iterdir() if p.is_file() and p.name != MANIFEST_NAME):
+    bookkeeping = {MANIFEST_NAME, LOCK_NAME, RUN_META_NAME}
+    for path in sorted(p for p in shards_dir.iterdir() if p.is_file() and p.name not in bookkeeping):
         st = path.stat()
         with open(path, "rb") as f:
             head = checksum_bytes(f.read(1 << 20))

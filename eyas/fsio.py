@@ -91,6 +91,11 @@ SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32"
 def read_safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file (names, dtypes, shapes, byte offsets): its length checked against
     the format's bound and the file's size before anything is read, its JSON an object."""
+    return _header_and_data_bytes(path)[0]
+
+
+def _header_and_data_bytes(path: Path) -> tuple[dict, int]:
+    """(the checked header, the bytes after it) of a safetensors file, in one open."""
     with open(path, "rb") as f:
         head = f.read(8)
         size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
@@ -108,7 +113,7 @@ def read_safetensors_header(path: Path) -> dict:
             ) from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header is a {type(header).__name__}, expected a JSON object")
-    return header
+    return header, file_size - 8 - size
 
 
 def checked_safetensors_header(path: Path) -> dict:
@@ -116,9 +121,7 @@ def checked_safetensors_header(path: Path) -> dict:
     a known dtype, a shape of non-negative integers, offsets inside the file's data that match dtype x shape,
     no two tensors overlapping. For files eyas did not write (drafters, a target's weights)."""
     path = Path(path)
-    header = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        data = os.fstat(f.fileno()).st_size - 8 - struct.unpack("<Q", f.read(8))[0]
+    header, data = _header_and_data_bytes(path)
     spans = []
     for name, entry in header.items():
         if name == "__metadata__":

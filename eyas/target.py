@@ -92,7 +92,7 @@ def target_dims(target_path: str | Path) -> tuple[int, int]:
     return int(text["num_hidden_layers"]), int(text["hidden_size"])
 
 
-def _weight_key(model_path: str | Path, suffix: str) -> tuple[Path, str, dict] | None:
+def find_weight(model_path: str | Path, suffix: str) -> tuple[Path, str, dict] | None:
     """(file, name, header entry) of the target's tensor ending in `suffix` (the text model's, not an MTP or
     vision copy), from the weight headers."""
     for weights in sorted(Path(model_path).glob("*.safetensors")):
@@ -105,7 +105,7 @@ def _weight_key(model_path: str | Path, suffix: str) -> tuple[Path, str, dict] |
 
 def embedding_rows(model_path: str | Path) -> int:
     """Rows of the target's input embedding (its vocab as the weights have it), from the weight headers."""
-    found = _weight_key(model_path, EMBED_KEY.removeprefix("model."))
+    found = find_weight(model_path, EMBED_KEY.removeprefix("model."))
     if found is None:
         raise KeyError(
             f"target {model_path}: no *embed_tokens.weight in its *.safetensors; expected a Llama-style checkpoint"

@@ -65,7 +65,7 @@ from eyas.engines.sglang import (
 from eyas.extract.backends.base import check_aux_width, check_feature_widths
 from eyas.extract.capture_hook import CaptureError, capture_file
 from eyas.layer_ids import from_engine_layer_ids, sglang_convention, target_layout, to_engine_layer_ids
-from eyas.target import read_safetensors_header
+from eyas.target import find_weight
 
 MIN_SGLANG_VERSION = (0, 5, 23)
 MAX_NEW_TOKENS = 1  # SGLang samples one token after the prefill; the prompt's rows are what eyas keeps
@@ -277,11 +277,10 @@ def lm_head_weight(target_path: str | Path) -> torch.Tensor:
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     suffixes = ("lm_head.weight",) + (("embed_tokens.weight",) if tied else ())
     for suffix in suffixes:
-        for weights in sorted(root.glob("*.safetensors")):
-            for key in read_safetensors_header(weights):
-                if key.endswith(suffix) and "mtp" not in key:
-                    with safe_open(str(weights), framework="pt") as f:
-                        return f.get_tensor(key).float()
+        found = find_weight(root, suffix)  # the text model's tensor, not an MTP or vision copy
+        if found is not None:
+            with safe_open(str(found[0]), framework="pt") as f:
+                return f.get_tensor(found[1]).float()
     raise SglangServerError(
         f"target {root}: no tensor named *lm_head.weight{' or *embed_tokens.weight' if tied else ''} in its "
         "*.safetensors; the start-up canary needs the output projection to check SGLang's final states"

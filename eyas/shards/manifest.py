@@ -11,7 +11,6 @@ Every function takes a local directory or an `eyas.storage` object.
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,7 +55,10 @@ def row_name(shard_index: int) -> str:
 def _read_compacted(store: Storage) -> list[ManifestRow]:
     if not store.exists(MANIFEST_NAME):
         return []
-    table = pq.read_table(io.BytesIO(store.get_bytes(MANIFEST_NAME)))
+    # An Arrow buffer, not a Python file object: pyarrow's scan may drop its last reference to the source on
+    # one of its own threads after read_table returns; a Python object (io.BytesIO) then needs the GIL there,
+    # and at interpreter exit that aborts the process ("terminate called without an active exception").
+    table = pq.read_table(pa.BufferReader(store.get_bytes(MANIFEST_NAME)), use_threads=False)
     if table.schema.names != MANIFEST_SCHEMA.names:
         raise ValueError(
             f"{store.url}/{MANIFEST_NAME}: columns {table.schema.names}, expected {MANIFEST_SCHEMA.names}; "

@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -187,12 +186,6 @@ def child(role: str, workdir: Path, quick: bool, num_tasks: int) -> None:
     print("BENCH_RESULT " + json.dumps(result, default=str), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in a process group (the server and its workers)."""
     ticks = 0
@@ -232,7 +225,7 @@ def spawn(role: str, workdir: Path, args, env: dict, log_path: Path, server_pid:
 
 
 def measure(args, root: Path) -> dict:
-    from eyas_cli.server import start_server
+    from eyas_cli.server import free_port, start_server
 
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"

@@ -1,30 +1,44 @@
 """Crash detection for runs whose machine died: flow-run heartbeats and an automation on the server.
 
 Usage:
-  python -m eyas_cli.automation [--within-s 300]     install it, or update it (idempotent)
+  python -m eyas_cli.automation [--within-s 90]     install it, or update it (idempotent)
 
 A flow run's process emits `prefect.flow-run.heartbeat` every PREFECT_FLOWS_HEARTBEAT_FREQUENCY
-seconds (Prefect's default 180, at least 30; `python -m eyas_cli.worker` sets 30 for the runs it
-starts). A process killed under a live worker is reported Crashed by the worker; when the whole VM
-dies nobody reports anything and its runs stay Running. This automation (Prefect's documented
-"detect zombie flows" one) marks a run Crashed when a heartbeat is followed within `within_s` by
-neither another heartbeat nor a final state, so that it can be retried and resume.
+seconds (Prefect sends none when it is unset; at least 30). Every process eyas starts sets it to
+HEARTBEAT_S = 30: the flow runs `python -m eyas_cli.worker` starts, and the runs `eyas run`, `eyas demo`
+and the stage verbs execute in their own process (eyas_cli.main, which installs this automation too).
+A process killed under a live worker is reported Crashed by the worker; when the whole VM dies, or a
+run executing in the `eyas` command's own process is killed, nobody reports anything and the run
+stays Running. This automation (Prefect's documented "detect zombie flows" one) marks a run Crashed
+when a heartbeat is followed within `within_s` by neither another heartbeat nor a final state, so
+that it can be retried and resume.
 
-Unlike the documented one it also expects `Paused` and `Suspended`: a run waiting at the approval
-gate sends no heartbeats (a suspended run has no process at all) and must not be marked Crashed.
-`within_s` (default 300 s) exceeds Prefect's default heartbeat interval with room to spare, so a run
-started without eyas's worker set-up (180 s heartbeats) is not marked Crashed while alive.
+Unlike the documented one it also expects `Suspended`: a deployment's run waiting at the approval gate
+is suspended, has no process at all and sends no heartbeats, and must not be marked Crashed. It does
+not expect `Paused`: a run paused at the gate waits in its process and keeps beating, and a Paused
+event must not close the window (a process killed within one beat of pausing would never be marked).
+
+The window, `within_s`: default WITHIN_S = 3 x HEARTBEAT_S = 90 s, so a dead run is Crashed (and
+can be retried) at most about 90 s after its last beat, while a live one may miss two beats in a row
+(a machine too busy to send them for a minute) without being marked. A longer window costs only
+time before a retry; a shorter one risks marking a live run Crashed. A run started by other means
+beats at the interval its own environment sets (none, or e.g. 180 s): with such runs on the same
+server, choose a window above twice their interval. Set it with `--within-s` here and for the
+worker, or EYAS_CRASH_WITHIN_S for every eyas command (the automation is one per server: the last
+command to install it sets the window).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import timedelta
 from uuid import UUID
 
 NAME = "eyas: mark runs Crashed when their heartbeats stop"
 HEARTBEAT_S = 30
-WITHIN_S = 300
+WITHIN_S = 3 * HEARTBEAT_S
+WINDOW_ENV = "EYAS_CRASH_WITHIN_S"
 MESSAGE = "no heartbeat for {within_s} s: the run's machine or process died (marked by the '{name}' automation)"
 EXPECTED = (
     "prefect.flow-run.heartbeat",
@@ -32,9 +46,27 @@ EXPECTED = (
     "prefect.flow-run.Failed",
     "prefect.flow-run.Cancelled",
     "prefect.flow-run.Crashed",
-    "prefect.flow-run.Paused",  # waiting at the gate in its process (it keeps beating; this closes the window)
     "prefect.flow-run.Suspended",  # waiting at the gate with no process: no heartbeat until it is resumed
 )
+
+
+def crash_window_s() -> int:
+    """The window: EYAS_CRASH_WITHIN_S when set (whole seconds, above one heartbeat interval), else WITHIN_S."""
+    raw = os.environ.get(WINDOW_ENV, "").strip()
+    if not raw:
+        return WITHIN_S
+    try:
+        within_s = int(raw)
+    except ValueError:
+        within_s = 0
+    if within_s <= HEARTBEAT_S:
+        from eyas_cli.errors import UserError
+
+        raise UserError(
+            f"{WINDOW_ENV}={raw!r}: expected whole seconds above the heartbeat interval ({HEARTBEAT_S} s), e.g. "
+            f"{WITHIN_S}; a window shorter than one beat would mark live runs Crashed"
+        )
+    return within_s
 
 
 def crash_detection(within_s: int = WITHIN_S):
@@ -84,15 +116,16 @@ def install_crash_detection(within_s: int = WITHIN_S) -> UUID:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eyas_cli.automation", description=__doc__.splitlines()[0])
-    parser.add_argument("--within-s", type=int, default=WITHIN_S, help="seconds without a heartbeat before Crashed")
+    parser.add_argument(
+        "--within-s", type=int, default=None, help=f"seconds without a heartbeat before Crashed (default {WITHIN_S})"
+    )
     args = parser.parse_args(argv)
-    from eyas_cli.main import connect
+    within_s = args.within_s or crash_window_s()
+    from eyas_cli.server import connect
 
     api = connect()  # PREFECT_API_URL, or the local server eyas starts
-    automation_id = install_crash_detection(args.within_s)
-    print(
-        f"automation {NAME!r} installed on {api} ({automation_id}): Crashed after {args.within_s} s without heartbeat"
-    )
+    automation_id = install_crash_detection(within_s)
+    print(f"automation {NAME!r} installed on {api} ({automation_id}): Crashed after {within_s} s without heartbeat")
     return 0
 
 

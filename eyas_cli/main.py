@@ -8,7 +8,7 @@ Usage:
   eyas inspect PATH [--target T] [--engine E]   audit a drafter checkpoint (no Prefect, no torch)
   eyas remap SRC DST --to FORMAT [--sglang-version V] [--target T] [--dtype D] [--embed-from F]
   eyas stop TRAIN_DIR                    stop the trainer processes eyas started there (and only those)
-  eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config or workdir)
+  eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config, workdir or flow-run id)
   eyas engine-command CONFIG --stage generate|extract|bench|baseline [--json]   the SGLang server a stage starts
   eyas target PATH [--json]              a target's facts from config.json and weight headers (no weights, no code)
 """
@@ -57,7 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     stop = sub.add_parser("stop", help="stop the training processes eyas recorded in a train directory")
     stop.add_argument("train_dir")
     status = sub.add_parser("status", help="where a run stands: stages, progress, next command, files")
-    status.add_argument("run", nargs="?", default=str(DEMO_PRESET), help="a run config (JSON) or a run's workdir")
+    status.add_argument(
+        "run", nargs="?", default=str(DEMO_PRESET), help="a run config (JSON), a run's workdir, or a flow-run id"
+    )
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     target = sub.add_parser("target", help="a target's facts from config.json and weight headers")
     target.add_argument("path")
@@ -104,37 +106,62 @@ def load_config(path: str, workdir: str | None = None):
     return config.model_copy(update={"workdir": workdir}) if workdir else config
 
 
-def connect() -> str:
-    from eyas_cli.server import ensure_server
+def start_in_process(config) -> tuple[str, str]:
+    """Before a command runs flows in its own process: the server (PREFECT_API_URL set before prefect is
+    imported), heartbeats every HEARTBEAT_S and the crash automation, so that the server marks these runs
+    Crashed if this process dies, and a launch record in the workdir, so that `eyas status` knows at once
+    whether this process still lives (eyas.status.launches). Returns (API URL, the tag of its flow runs)."""
+    from eyas.status.launches import TAG_PREFIX, record_launch
+    from eyas_cli.automation import HEARTBEAT_S, crash_window_s, install_crash_detection
+    from eyas_cli.server import connect
 
-    return ensure_server(Path(os.environ.get("EYAS_STATE_DIR", REPO / ".eyas")) / "prefect")
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    within_s = crash_window_s()  # a bad EYAS_CRASH_WITHIN_S is refused before anything starts
+    api = connect()
+    install_crash_detection(within_s)
+    tag = f"{TAG_PREFIX}{uuid.uuid4().hex[:8]}"
+    record_launch(config.paths.root, tag)
+    return api, tag
 
 
 def run_pipeline(config, answer: str | None) -> int:
-    api = connect()  # sets PREFECT_API_URL: must run before anything imports prefect
+    api, tag = start_in_process(config)  # must run before anything imports prefect
     from prefect import tags
 
     from eyas_cli.approval import GateWatcher
     from eyas_cli.server import ui_url
     from flows.pipeline import pipeline
 
-    tag = f"eyas-{uuid.uuid4().hex[:8]}"
     GateWatcher(tag, ui_url(api), answer).start()
     with tags(tag, f"config-{config.name}"):
         state = pipeline(config, return_state=True)
     if not state.is_completed():
         print(f"\npipeline ended {state.name}: {state.message}", file=sys.stderr)
         return 1
-    result = state.result()
-    print("\nbenchmark (reference engine, held-out prompts):")
-    for key in ("tau_mean", "tau_random", "steps", "num_prompts", "accept_rate_per_position", "lossless"):
-        print(f"  {key:26s} {result[key]}")
-    print(f"benchmark.json: {result['path']}")
+    print_outcome(config, state.result())
     return 0
 
 
+def print_outcome(config, result: dict) -> None:
+    """What a finished pipeline leaves a person: the figures, where the drafter is, how to serve it."""
+    import shlex
+
+    from eyas.bench.acceptance import describe_benchmark
+    from eyas.export.convert import SGLANG_EXPORT
+    from eyas_cli.engine_command import engine_command
+
+    print("\n" + "\n".join(describe_benchmark(result)))
+    print(f"  benchmark.json                {result['path']}")
+    print(f"\ndrafter (SGLang format): {config.paths.export_dir / SGLANG_EXPORT}")
+    print(
+        f"serve it with its target (`eyas engine-command CONFIG --stage bench`):\n  {shlex.join(engine_command(config, 'bench'))}"
+    )
+
+
 def run_stage(stage: str, config) -> int:
-    connect()
+    _, tag = start_in_process(config)
+    from prefect import tags
+
     from flows import bench, dataset, export, extract, train, verify
 
     flow_fn = {
@@ -145,7 +172,8 @@ def run_stage(stage: str, config) -> int:
         "export": export.export_flow,
         "bench": bench.bench_flow,
     }[stage]
-    state = flow_fn(config, return_state=True)
+    with tags(tag, f"config-{config.name}"):
+        state = flow_fn(config, return_state=True)
     print(
         json.dumps(
             state.result() if state.is_completed() else {"state": state.name, "message": state.message},
@@ -181,13 +209,53 @@ def run_remap(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_status(run: str, as_json: bool) -> int:
-    """The run's files, plus its flow runs when a Prefect server answers (none is started for this)."""
-    from eyas.status.report import format_json, run_status
-    from eyas_cli.server import DEFAULT_API_URL, healthy
-
+def looks_like_run_id(run: str) -> bool:
     try:
-        status = run_status(run, presets_dir=REPO / "deployments")
+        uuid.UUID(run)
+    except ValueError:
+        return False
+    return not Path(run).exists()
+
+
+def no_server(api: str | None) -> str:
+    return (
+        f"no Prefect server answers at {api}" if api else "no Prefect server is known (none set, none started by eyas)"
+    )
+
+
+def show_status(run: str, as_json: bool) -> int:
+    """The run's files, plus its flow runs when a Prefect server answers (none is started for this). RUN is a
+    config, a workdir, or a flow-run id (whose config the server knows)."""
+    from eyas.status.report import format_json, run_status
+    from eyas_cli.errors import UserError
+    from eyas_cli.server import healthy, known_api_url
+
+    api = known_api_url()
+    answers = api is not None and healthy(api)
+    if answers:
+        os.environ["PREFECT_API_URL"] = api  # before prefect is imported
+    target = run
+    if looks_like_run_id(run):
+        if not answers:
+            raise UserError(
+                f"eyas status {run}: a flow-run id, but {no_server(api)} to say whose run it is; start it (or set "
+                "PREFECT_API_URL), or pass the run's config or workdir instead"
+            )
+        from eyas.config import RunConfig
+        from tasks.status import flow_run_config
+
+        try:
+            config, described = flow_run_config(run)
+        except ValueError as err:
+            raise UserError(f"eyas status: {err}") from None
+        from eyas.status.report import RUN_CONFIG_NAME
+
+        config = RunConfig.model_validate(config)
+        print(f"flow run {run} ({described['flow']}, {described['state']}) runs workdir {config.workdir}")
+        # the workdir's run.json, when there is one, gives the commands a config path to name
+        target = config.workdir if (Path(config.workdir) / RUN_CONFIG_NAME).is_file() else config
+    try:
+        status = run_status(target, presets_dir=REPO / "deployments")
     except (OSError, ValueError) as err:
         from pydantic import ValidationError
 
@@ -197,19 +265,17 @@ def show_status(run: str, as_json: bool) -> int:
         text = format_validation_error(err, f"config {run}", RunConfig) if isinstance(err, ValidationError) else err
         print(f"eyas status: {text}", file=sys.stderr)
         return 2
-    api = os.environ.get("PREFECT_API_URL") or DEFAULT_API_URL
-    if healthy(api):
-        os.environ["PREFECT_API_URL"] = api  # before prefect is imported
+    if answers:
         import httpx
 
         from tasks.status import recent_flow_runs
 
         try:
-            status.flow_runs = recent_flow_runs(status.workdir)
+            status.attach_flow_runs(recent_flow_runs(status.workdir))
         except httpx.HTTPError as err:
-            status.flow_runs_note = f"the Prefect server at {api} did not answer the flow-run query: {err}"
+            status.attach_flow_runs([], f"the Prefect server at {api} did not answer the flow-run query: {err}")
     else:
-        status.flow_runs_note = f"no Prefect server answers at {api}: flow runs not shown (the stages come from files)"
+        status.attach_flow_runs([], f"{no_server(api)}: flow runs not shown (the stages come from files)")
     print(format_json(status) if as_json else status.to_markdown())
     return 0
 
@@ -258,6 +324,8 @@ def dispatch(args: argparse.Namespace) -> int:
         from eyas_cli.approval import check_run_id
 
         check_run_id(args.run_id)  # before a server is started or asked
+        from eyas_cli.server import connect
+
         connect()
         from eyas_cli.approval import approve_run
 

@@ -1,7 +1,7 @@
 """Set up this machine's worker for eyas's deployments (prefect.yaml), then run it.
 
 Usage:
-  python -m eyas_cli.worker [--pool eyas-local] [--results-dir DIR] [--within-s 300] [--setup-only]
+  python -m eyas_cli.worker [--pool eyas-local] [--results-dir DIR] [--within-s 90] [--setup-only]
 
 1. the work pool POOL (type process) exists;
 2. the crash-detection automation is installed on the server (eyas_cli.automation);
@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from eyas_cli.automation import HEARTBEAT_S, WITHIN_S
+from eyas_cli.automation import HEARTBEAT_S, WITHIN_S, crash_window_s
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = "eyas-local"
@@ -63,16 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eyas_cli.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--pool", default=POOL, help="process work pool the deployments name")
     parser.add_argument("--results-dir", type=Path, default=state_dir / "results", help="durable task results")
-    parser.add_argument("--within-s", type=int, default=WITHIN_S, help="seconds without heartbeat before Crashed")
+    parser.add_argument(
+        "--within-s", type=int, default=None, help=f"seconds without heartbeat before Crashed (default {WITHIN_S})"
+    )
     parser.add_argument("--setup-only", action="store_true", help="set up, print the environment, do not start")
     args = parser.parse_args(argv)
 
     from eyas_cli.automation import install_crash_detection
-    from eyas_cli.main import connect
+    from eyas_cli.server import connect
 
     api = connect()
     created = ensure_process_pool(args.pool)
-    install_crash_detection(args.within_s)
+    install_crash_detection(args.within_s or crash_window_s())
     env = worker_environment(args.results_dir)
     print(f"work pool {args.pool!r} {'created' if created else 'present'} on {api}; crash detection installed")
     for key, value in env.items():

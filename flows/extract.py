@@ -3,6 +3,7 @@
 from prefect import flow
 
 from eyas.config import RunConfig
+from eyas.extract.coordinator import summary_sentence
 from eyas.facts import RunFacts
 from tasks.extract import extract_shards, extract_worker_shards
 from tasks.facts import resolve_run_facts
@@ -16,7 +17,7 @@ def extract_flow(config: RunConfig, facts: RunFacts | None = None) -> dict:
     `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
     facts = facts or resolve_run_facts(config)
     summary = extract_shards(config, facts)
-    print(f"extraction: {summary}")
+    print(summary_sentence(summary))
     stage_status_artifact(config, "extract")
     return summary
 

@@ -27,6 +27,6 @@ def train_flow(config: RunConfig, facts: RunFacts | None = None, require_approva
         summary = gate_summary(config, facts, dataset, {"mode": "not run here"}, smoke, devices)
         approval_gate(config, summary, num_samples=facts.num_samples)
     final = launch_torchrun(config, facts)
-    print(f"training finished: {final}")
+    print(f"training finished at step {final['step']:,} (loss {final['final_loss']:.4f}): {final['checkpoint']}")
     stage_status_artifact(config, "train")
     return final

@@ -5,6 +5,7 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
+from eyas.verify.report import VerifyReport
 from eyas.verify.shard_set import raise_if_bad
 from flows.extract import extract_flow
 from tasks.facts import resolve_run_facts
@@ -34,5 +35,5 @@ def verify_flow(config: RunConfig, facts: RunFacts | None = None) -> dict:
         "quarantined": len(quarantined),
         "report": str(config.paths.verify_report),
     }
-    print(f"verification: {summary}")
+    print(VerifyReport.describe(summary))
     return summary

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from eyas.bench.acceptance import PLOTS_FILE, bench_run
+from eyas.bench.acceptance import PLOTS_FILE, bench_run, describe_benchmark
 from eyas.bench.diagnose import DIAGNOSIS_FILE, diagnose_run
 from eyas.bench.plots import acceptance_figure
 from eyas.config import RunConfig
@@ -63,7 +62,7 @@ def report_benchmark(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    print(json.dumps({k: result[k] for k in SUMMARY_KEYS if k in result}))
+    print("\n".join(describe_benchmark(result)))
 
 
 def _at(result: dict, key: str, i: int):

@@ -60,13 +60,15 @@ def workdir_id(root: Path) -> str:
     return path.read_text().strip()
 
 
-def shard_files(shards_dir: Path) -> str:
+def shard_files(shards_dir: Path, *, full: bool = False) -> str:
     """Evidence that every file of the shard set is the one a cached result saw: for each file in the shard
     directory (shards and strays alike), its name, size, mtime and ctime (ctime cannot be set back by hand:
-    any write or touch moves it) and the XXH3 of its first MiB (the safetensors header and the first data).
-    A damaged, truncated, deleted, swapped or added file changes it, so the task runs again. The set's own
-    bookkeeping is left out: the manifest (an input of its own), extract.json and the coordinator's lock file,
-    which every extraction run opens again."""
+    any write or touch moves it) and the XXH3 of its first MiB (the safetensors header and the first data);
+    with `full` (verify.mode = "full"), the XXH3-128 of the whole file as well, so that bytes changed without
+    the file system knowing (bit rot, a device written under it) are verified again. A damaged, truncated,
+    deleted, swapped or added file changes it, so the task runs again. The set's own bookkeeping is left out:
+    the manifest (an input of its own), extract.json and the coordinator's lock file, which every extraction
+    run opens again."""
     from eyas.checksum import checksum_bytes
 
     shards_dir = Path(shards_dir)
@@ -78,7 +80,8 @@ def shard_files(shards_dir: Path) -> str:
         st = path.stat()
         with open(path, "rb") as f:
             head = checksum_bytes(f.read(1 << 20))
-        parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{head}")
+        whole = f":{checksum_file(path)}" if full else ""
+        parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{head}{whole}")
     return checksum_bytes("\n".join(parts).encode())
 
 
@@ -91,7 +94,7 @@ INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
     # the local manifest lists every shard with its checksum: it stands for the shards' bytes
     "manifest": lambda c: file_content(c.paths.shards_dir / MANIFEST_NAME),
     # the shard files themselves: a result is reused only for the very files it saw (shard_files)
-    "shard_files": lambda c: shard_files(c.paths.shards_dir),
+    "shard_files": lambda c: shard_files(c.paths.shards_dir, full=c.verify.mode == "full"),
 }
 
 

@@ -35,7 +35,14 @@ from pydantic import ConfigDict, Field
 from eyas.config import RunConfig
 from eyas.dataset.table import tokenized_num_samples
 from eyas.facts import RunFacts
-from eyas.gate.approval import OVERRIDABLE, gate_fingerprint, ignored_overrides, read_approval, write_approval
+from eyas.gate.approval import (
+    OVERRIDABLE,
+    gate_fingerprint,
+    ignored_overrides,
+    read_approval,
+    write_approval,
+    write_rejection,
+)
 from eyas.gate.summary import gate_summary as summary_markdown
 from eyas.markdown import table
 
@@ -108,6 +115,7 @@ def approval_gate(
     record = decision_record(config, answer)
     decision_artifact(record)
     if not answer.approve:
+        write_rejection(config, record)
         raise TrainingRejected(
             f"training rejected by {answer.reviewer}: {answer.note or 'no note'}; nothing was trained"
         )
@@ -126,7 +134,17 @@ def wait_for_answer(config: RunConfig, form: type[TrainingApproval], key: str) -
         return pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=2, key=key)
     except FlowPauseTimeout:
         reason = f"approval gate: nobody answered within approval.timeout_s={timeout_s} s; nothing was trained"
-        decision_artifact({"decision": "timed out", "config_fingerprint": gate_fingerprint(config), "note": reason})
+        record = {
+            "decision": "timed out",
+            "approve": False,
+            "reviewer": "nobody",
+            "note": reason,
+            "config_fingerprint": gate_fingerprint(config),
+            "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "flow_run_id": str(run.id),
+        }
+        decision_artifact(record)
+        write_rejection(config, record)
         # Once the pause has expired the server turns any state the flow proposes into its own
         # "The flow was paused and never resumed.": set the reason first (forced), then fail with it.
         with get_client(sync_client=True) as client:

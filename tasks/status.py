@@ -33,9 +33,10 @@ def _same_workdir(parameters: dict, workdir: Path) -> bool:
     return config["workdir"] == str(workdir) or Path(config["workdir"]).resolve() == Path(workdir).resolve()
 
 
-def recent_flow_runs(workdir: str | Path, *, limit: int = 10) -> list[dict]:
+def recent_flow_runs(workdir: str | Path, *, limit: int = 30) -> list[dict]:
     """The newest flow runs of eyas's flows whose config has this workdir, newest first (the last
-    SCANNED_RUNS runs of those flows are searched; a relative workdir is compared from this directory)."""
+    SCANNED_RUNS runs of those flows are searched; a relative workdir is compared from this directory). The
+    limit leaves room for a retried pipeline's subflows: its top-level run started before all of them."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.client.schemas.sorting import FlowRunSort
@@ -64,7 +65,36 @@ def _describe(run, flows: dict) -> dict:
         "duration_s": round(run.total_run_time.total_seconds()),
         "id": str(run.id),
         "message": (run.state.message or "")[:200] if run.state else "",
+        "tags": sorted(run.tags or []),
+        "subflow": run.parent_task_run_id is not None,
+        "deployment": run.deployment_id is not None,
     }
+
+
+def flow_run_config(run_id: str) -> tuple[dict, dict]:
+    """(the config parameter, the description) of one of eyas's flow runs by id; ValueError naming what is
+    wrong when the server has no such run or the run has no eyas config."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            run = client.read_flow_run(UUID(str(run_id)))
+        except ObjectNotFound:
+            raise ValueError(
+                f"flow run {run_id}: the Prefect server at {client.api_url} has no such run; expected the id "
+                "`eyas status` or the run's first lines print"
+            ) from None
+        flow = client.read_flow(run.flow_id)
+    config = (run.parameters or {}).get("config")
+    if flow.name not in FLOW_NAMES or not isinstance(config, dict):
+        raise ValueError(
+            f"flow run {run_id} ({flow.name}/{run.name}) is not a run of eyas's flows with a config parameter; "
+            f"expected one of {', '.join(FLOW_NAMES)}"
+        )
+    return config, _describe(run, {run.flow_id: flow.name})
 
 
 @task(name="run-status", cache_policy=NO_CACHE)
@@ -74,7 +104,7 @@ def stage_status_artifact(config: RunConfig, stage: str) -> dict:
         raise ValueError(f"stage {stage!r}: expected one of {', '.join(STAGES)}")
     record_run_config(config)
     status = run_status(config)
-    status.flow_runs = recent_flow_runs(config.paths.root)
+    status.attach_flow_runs(recent_flow_runs(config.paths.root))
     markdown_artifact(
         f"status-{config.name}", status.to_markdown(title=f"after {stage}"), f"run status after the {stage} stage"
     )

@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
 from eyas.train.launch import TorchrunFailed, planned_steps, train_run
+from eyas.train.metrics import METRICS_FILE, read_metrics
 from eyas.train.preflight import preflight_run
 from eyas.train.smoke import smoke_run as run_smoke
 from tasks.caching import cached_by
@@ -86,24 +87,61 @@ def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
             progress({"samples_consumed": record["samples_consumed"], "total": total_samples})
 
         final = train_run(config, facts, on_metric=on_metric)
-    if metrics:
-        plot_loss(metrics)
+    # the whole run, from the metric stream every launch appended to (one record per step after any resume),
+    # also when this launch found the training finished and streamed nothing
+    history = (
+        read_metrics(config.paths.train_dir / METRICS_FILE)
+        if (config.paths.train_dir / METRICS_FILE).is_file()
+        else metrics
+    )
+    if history:
+        plot_loss(history)
     return final
 
 
+def launch_starts(metrics: list[dict]) -> list[int]:
+    """Steps at which a launch began: the first record, and each where the seconds into the launch went back."""
+    starts = [metrics[0]["step"]]
+    for before, record in zip(metrics, metrics[1:]):
+        if record.get("elapsed_s", 0) < before.get("elapsed_s", 0):
+            starts.append(record["step"])
+    return starts
+
+
 def plot_loss(metrics: list[dict]) -> None:
+    """The loss per TTT step and the teacher-forced accuracy per draft position over the whole run, with the
+    steps where a resumed launch began marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    with_acc = all(m.get("acc_k") for m in metrics)
+    fig, axes = plt.subplots(1, 2 if with_acc else 1, figsize=(11 if with_acc else 7, 3.5), squeeze=False)
     steps = [m["step"] for m in metrics]
+    ax = axes[0][0]
     ax.plot(steps, [m["loss"] for m in metrics], label="total (weighted)")
     for k in range(len(metrics[0]["loss_k"])):
         ax.plot(steps, [m["loss_k"][k] for m in metrics], alpha=0.5, lw=0.8, label=f"step {k}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("soft cross-entropy")
     ax.legend(fontsize=7, ncol=2)
-    png_artifact("loss-curve", fig, "training loss per TTT step")
+    if with_acc:
+        acc = axes[0][1]
+        for k in range(len(metrics[0]["acc_k"])):
+            acc.plot(steps, [m["acc_k"][k] for m in metrics], lw=0.9, label=f"position {k + 1}")
+        acc.set_xlabel("optimizer step")
+        acc.set_ylabel("teacher-forced accuracy")
+        acc.set_ylim(0, 1)
+        acc.legend(fontsize=7)
+    starts = launch_starts(metrics)
+    for step in starts[1:]:
+        for row in axes:
+            for a in row:
+                a.axvline(step, color="grey", ls=":", lw=0.8)
+    description = (
+        f"training loss per TTT step and accuracy per position, steps {steps[0]}-{steps[-1]} over "
+        f"{len(starts)} launch{'es' * (len(starts) != 1)}" + (f" (resumed at {starts[1:]})" if len(starts) > 1 else "")
+    )
+    png_artifact("loss-curve", fig, description)
     plt.close(fig)

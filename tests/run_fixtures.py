@@ -101,3 +101,20 @@ def extract(tokenized, shards, target, cfg=None, *, aux_layer_ids=None, **kwargs
         s3_endpoint_url=cfg.s3_endpoint_url,
     )
     return run_extraction(cfg, facts, store=store, **kwargs)
+
+
+def small_run_config(workdir: Path, tiny: Path, **sections):
+    """The tiny preset on 32 short samples and small shards, for runs of the whole pipeline in tests; `sections`
+    update fields of a section (`train={"num_epochs": 3}`)."""
+    from eyas.config import load_run_config
+
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    wanted = {
+        "target": {"model_path": str(tiny)},
+        "dataset": {"prompts_path": str(tiny / "prompts.jsonl"), "num_samples": 32, "max_new_tokens": 16},
+        "extract": {"shard_bytes": 1 << 16},
+    }
+    for name, fields in sections.items():
+        wanted[name] = {**wanted.get(name, {}), **fields}
+    update = {name: getattr(base, name).model_copy(update=fields) for name, fields in wanted.items()}
+    return base.model_copy(update={"workdir": str(workdir), **update})

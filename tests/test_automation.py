@@ -19,15 +19,18 @@ def installed(prefect_server):
             client.delete_automation(automation.id)
 
 
-def test_crash_detection_expects_runs_waiting_at_the_gate(prefect_server):
-    from eyas_cli.automation import WITHIN_S, crash_detection
+def test_crash_detection_expects_suspended_runs_but_not_paused_ones(prefect_server):
+    from eyas_cli.automation import HEARTBEAT_S, WITHIN_S, crash_detection
 
     automation = crash_detection()
     trigger = automation.trigger
     assert trigger.after == {"prefect.flow-run.heartbeat"}
-    assert {"prefect.flow-run.Paused", "prefect.flow-run.Suspended", "prefect.flow-run.Completed"} <= trigger.expect
+    assert {"prefect.flow-run.Suspended", "prefect.flow-run.Completed"} <= trigger.expect
+    # a paused run keeps beating in its process: a Paused event must not close the window
+    assert "prefect.flow-run.Paused" not in trigger.expect
     assert trigger.posture == "Proactive" and trigger.for_each == {"prefect.resource.id"}
-    assert trigger.within.total_seconds() == WITHIN_S > 180  # above Prefect's default heartbeat interval
+    # three beats of the interval every eyas process sets: two may be missed without a live run being marked
+    assert trigger.within.total_seconds() == WITHIN_S == 3 * HEARTBEAT_S
     assert [a.type for a in automation.actions] == ["change-flow-run-state"]
     assert automation.actions[0].state.value == "CRASHED"
 
@@ -61,3 +64,17 @@ def test_worker_environment_sets_heartbeats_and_durable_results(tmp_path):
         "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str((tmp_path / "results").resolve()),
         "EYAS_REPO": str(REPO),
     }
+
+
+def test_the_window_comes_from_the_environment_and_a_bad_one_is_refused(monkeypatch):
+    from eyas_cli.automation import WINDOW_ENV, WITHIN_S, crash_window_s
+    from eyas_cli.errors import UserError
+
+    monkeypatch.delenv(WINDOW_ENV, raising=False)
+    assert crash_window_s() == WITHIN_S
+    monkeypatch.setenv(WINDOW_ENV, "240")
+    assert crash_window_s() == 240
+    for bad in ("20", "30", "ninety", "-5"):
+        monkeypatch.setenv(WINDOW_ENV, bad)
+        with pytest.raises(UserError, match=f"{WINDOW_ENV}='{bad}': expected whole seconds above the heartbeat"):
+            crash_window_s()

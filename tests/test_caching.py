@@ -87,3 +87,25 @@ def test_deleted_workdir_runs_again(prefect_server, config, builds):
     shutil.rmtree(config.paths.root)
     assert run_dataset_task(config) == "Completed"  # the recreated workdir has a new id
     assert len(builds) == 2
+
+
+def test_full_mode_evidence_sees_bytes_changed_without_the_file_system_knowing(tmp_path, monkeypatch):
+    """Bit rot, or a device written under the file system, changes bytes past the header without moving size,
+    mtime or ctime: simulated by handing back the stat from before. Cheap evidence cannot see it (and does not
+    claim to); full-mode evidence, which holds every file's checksum, does."""
+    import os
+    from pathlib import Path
+
+    from tasks.caching import shard_files
+
+    shard = tmp_path / "shard-00000.safetensors"
+    shard.write_bytes(os.urandom(3 << 20))
+    before = shard.stat()
+    cheap, full = shard_files(tmp_path), shard_files(tmp_path, full=True)
+    data = bytearray(shard.read_bytes())
+    data[2 << 20] ^= 0x01  # one bit, two MiB in
+    shard.write_bytes(bytes(data))
+    real_stat = Path.stat
+    monkeypatch.setattr(Path, "stat", lambda self, **kw: before if self == shard else real_stat(self, **kw))
+    assert shard_files(tmp_path) == cheap
+    assert shard_files(tmp_path, full=True) != full

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from machine import alive, crash_machine, start_worker
+from run_fixtures import small_run_config
 from run_queries import (
     answer_when_waiting,
     artifacts,
@@ -32,7 +33,6 @@ from run_queries import (
 )
 from safetensors.torch import load_file
 
-from eyas.config import load_run_config
 from eyas.shards.manifest import done_shard_indices, read_manifest
 from eyas.train.checkpoint import latest_complete
 
@@ -44,29 +44,19 @@ NUM_EPOCHS = 5  # the reviewer's override of train.num_epochs (the config says 3
 
 
 def small_config(workdir: Path, tiny: Path, **approval):
-    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
-    return base.model_copy(
-        update={
-            "workdir": str(workdir),
-            "target": base.target.model_copy(update={"model_path": str(tiny)}),
-            "dataset": base.dataset.model_copy(
-                update={"prompts_path": str(tiny / "prompts.jsonl"), "num_samples": 32, "max_new_tokens": 16}
-            ),
-            "extract": base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 1}),
-            "train": base.train.model_copy(
-                update={"num_epochs": 3, "global_batch_size": 4, "save_every_steps": 5, "num_warmup_steps": 2}
-            ),
-            "smoke": base.smoke.model_copy(update={"num_samples": 2, "num_steps": 30}),
-            "approval": base.approval.model_copy(update={"timeout_s": 900, **approval}),
-            "bench": base.bench.model_copy(
-                update={
-                    "prompts_path": str(tiny / "heldout_prompts.jsonl"),
-                    "num_prompts": 2,
-                    "max_new_tokens": 8,
-                    "min_tau": 0.0,
-                }
-            ),
-        }
+    return small_run_config(
+        workdir,
+        tiny,
+        extract={"batch_size": 1},
+        train={"num_epochs": 3, "global_batch_size": 4, "save_every_steps": 5, "num_warmup_steps": 2},
+        smoke={"num_samples": 2, "num_steps": 30},
+        approval={"timeout_s": 900, **approval},
+        bench={
+            "prompts_path": str(tiny / "heldout_prompts.jsonl"),
+            "num_prompts": 2,
+            "max_new_tokens": 8,
+            "min_tau": 0.0,
+        },
     )
 
 
@@ -189,6 +179,7 @@ def scenario(prefect_server, tmp_path_factory, tiny_target_dir):
         waiting_since = wait_for(lambda: read_run(obs["waiting"]).state.is_paused() and time.monotonic(), 60, "gate")
         wait_for(lambda: state_of(run_id) == "Crashed", 3 * WITHIN_S, "the automation to mark the run Crashed")
         timeline.mark("marked Crashed by the automation", message=read_run(run_id).state.message)
+        obs["next_after_crash"] = status_next_steps(config)
         wait_for(lambda: time.monotonic() > waiting_since + WITHIN_S + 20, 2 * WITHIN_S, "the window to pass")
         obs["waiting_state_past_window"] = state_of(obs["waiting"])
         obs["expiring_state"] = read_run(obs["expiring"]).state
@@ -198,6 +189,7 @@ def scenario(prefect_server, tmp_path_factory, tiny_target_dir):
         retry(run_id)
         wait_for(lambda: read_run(run_id).state.name == "Suspended", 600, "the run to suspend at the gate")
         timeline.mark("suspended at the gate")
+        obs["next_at_gate"] = status_next_steps(config)
         crash_machine(worker.pid)
         worker.wait()
         worker = new_worker()
@@ -244,6 +236,16 @@ def scenario(prefect_server, tmp_path_factory, tiny_target_dir):
         drain_run_logs()
 
 
+def status_next_steps(config) -> list[str]:
+    """What `eyas status CONFIG` advises now, with the server's flow runs (as eyas_cli.main.show_status)."""
+    from eyas.status.report import run_status
+    from tasks.status import recent_flow_runs
+
+    status = run_status(config)
+    status.attach_flow_runs(recent_flow_runs(config.paths.root))
+    return status.next_steps()
+
+
 def all_runs(obs) -> list:
     return [read_run(obs["run"]), *descendants(obs["run"])]
 
@@ -263,6 +265,21 @@ def test_run_on_a_dead_machine_is_marked_crashed_by_the_automation(scenario):
     with client() as c:
         crashed = [s for s in c.read_flow_run_states(scenario["run"]) if s.type == StateType.CRASHED]
     assert crashed and "no heartbeat for 60 s" in crashed[0].message
+
+
+def test_status_advises_the_retry_of_a_crashed_deployment_run(scenario):
+    run_id = scenario["run"]
+    [step] = scenario["next_after_crash"]
+    assert step.startswith(f"flow run {run_id} (pipeline) Crashed (no heartbeat for 60 s")
+    assert f"retry it with `.venv/bin/prefect flow-run retry {run_id}` (its deployment's worker" in step
+
+
+def test_status_at_the_suspended_gate_gives_the_exact_answer_commands(scenario):
+    run_id = scenario["run"]
+    assert scenario["next_at_gate"] == [
+        f"flow run {run_id} (pipeline) waits at the approval gate: read the summary in the UI (Resume), then "
+        f"`eyas approve {run_id}` or `eyas approve {run_id} --reject --note WHY`"
+    ]
 
 
 def test_run_suspended_at_the_gate_past_the_heartbeat_window_is_not_crashed(scenario):
@@ -287,6 +304,18 @@ def test_interrupted_extraction_resumes_from_its_manifest(scenario):
     total = len(read_manifest(scenario["config"].paths.shards_dir))
     done = scenario["rows_at_kill"]
     assert f"extraction plan: {total} shards, {done} done, {total - done} to extract" in messages
+
+
+def test_the_newest_training_subflow_plots_the_whole_resumed_run(scenario):
+    trainings = sorted(
+        (r for r in descendants(scenario["run"]) if artifacts(r.id, "loss-curve")),
+        key=lambda r: r.start_time or r.expected_start_time,
+    )
+    assert trainings, "no training subflow drew a loss curve"
+    [curve] = artifacts(trainings[-1].id, "loss-curve")
+    step = int(scenario["checkpoint_at_kill"].name.split("-")[1])
+    assert curve.description.startswith("training loss per TTT step and accuracy per position, steps 1-")
+    assert f"over 2 launches (resumed at [{step + 1}])" in curve.description
 
 
 def test_interrupted_training_resumes_from_its_newest_checkpoint(scenario):

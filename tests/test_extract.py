@@ -15,7 +15,7 @@ from eyas.config import ExtractConfig
 from eyas.extract.backends.base import AuxWidthError, check_aux_width
 from eyas.shards.format import load_shard, shard_filename
 from eyas.shards.manifest import read_manifest, write_manifest
-from eyas.shards.shard_set import ExtractConfigMismatchError
+from eyas.shards.shard_set import QUARANTINE_DIR, ExtractConfigMismatchError
 from eyas.target import load_target, target_features
 
 AUX_IDS = [2, 4, 5]  # the EAGLE-3 default of the 8-layer random target
@@ -141,14 +141,24 @@ def test_resume_with_other_config_is_refused(finished, tokenized, random_target_
         extract(tokenized, finished, random_target_dir, CFG, aux_layer_ids=[1, 4, 6])
 
 
-def test_manifest_row_without_file_is_refused(finished, tokenized, random_target_dir):
-    (finished / shard_filename(0)).unlink()
-    with pytest.raises(
-        FileNotFoundError,
-        match=r"shard-00000.safetensors: listed in the manifest \(\d+ bytes\) but missing in storage; "
-        r"run verification, which quarantines it",
-    ):
-        _extract(tokenized, finished, random_target_dir)
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_a_shard_that_no_longer_matches_its_row_is_quarantined_and_extracted_again(
+    finished, tokenized, random_target_dir, damage, capsys
+):
+    shard = finished / shard_filename(0)
+    original = shard.read_bytes()
+    if damage == "delete":
+        shard.unlink()
+    else:
+        shard.write_bytes(original[:-100])
+    capsys.readouterr()
+    summary = _extract(tokenized, finished, random_target_dir)
+    assert summary.shards_written == 1 and shard.read_bytes() == original
+    [note] = (finished / QUARANTINE_DIR).glob("shard-00000.safetensors.*.reason.txt")
+    now = "missing" if damage == "delete" else f"{len(original) - 100} bytes"
+    reason = f"shard-00000.safetensors: listed in the manifest ({len(original)} bytes) but {now} in storage"
+    assert note.read_text().startswith(reason)
+    assert f"quarantined (extracted again): {reason}" in capsys.readouterr().out
 
 
 def test_second_concurrent_run_is_refused(finished, tokenized, random_target_dir):

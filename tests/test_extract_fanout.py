@@ -99,6 +99,16 @@ def test_rerun_on_s3_skips_everything(s3_bucket, s3_endpoint, tokenized, random_
     assert (again.shards_written, again.shards_skipped) == (0, first.shards_total)
 
 
+def test_a_missing_shard_on_s3_is_refused_naming_the_fix(s3_bucket, s3_endpoint, tokenized, random_target_dir):
+    """Quarantine moves files of a local directory; on S3 a shard gone from under its row stops the resume."""
+    store = S3Storage(f"s3://{s3_bucket}/shards", endpoint_url=s3_endpoint)
+    _extract(tokenized, store, random_target_dir)
+    store.delete("shard-00001.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"shard-00001.safetensors: listed in the manifest \(\d+ bytes\) but "
+                       r"missing in storage when an extraction resumed; 1 such shard\(s\): run verification"):  # fmt: skip
+        _extract(tokenized, store, random_target_dir)
+
+
 def test_workers_loading_the_target_at_once_keep_its_tied_lm_head(tiny_target_dir):
     """Workers are threads and each loads the target; overlapping from_pretrained calls (unguarded)
     leave a tied lm_head on the meta device in most loads."""

@@ -127,6 +127,45 @@ def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server
     assert "| bench | done |" in snapshots[-1] and "| train | done |" in snapshots[-1]
 
 
+@pytest.mark.timeout(1800)
+def test_a_rerun_after_damage_detects_quarantines_and_heals_every_fault(prefect_server, e2e_config):
+    """After the approved run: every fault of the battery at once, each on its own shard; a re-run of the
+    pipeline (the approval is on record, nobody is asked) is not fooled by its caches: it quarantines each
+    damaged shard, re-extracts, ends with the shards byte for byte as they were, and trains nothing again."""
+    from faults import apply_fault
+    from prefect import tags
+
+    from eyas.shards.shard_set import QUARANTINE_DIR
+    from flows.pipeline import pipeline
+
+    shards, train_dir = e2e_config.paths.shards_dir, e2e_config.paths.train_dir
+    assert (train_dir / "final.json").is_file(), "runs after the approved pipeline"
+    before = {p.name: p.read_bytes() for p in shards.glob("shard-*.safetensors")}
+    checkpoints = {str(p): p.read_bytes() for p in sorted((train_dir / "checkpoints").rglob("*")) if p.is_file()}
+    torchrun_log = (train_dir / "torchrun.log").read_bytes()
+    names = sorted(before)
+    # indices into the shard names as they stand: the deletion comes last, so that the others keep theirs
+    faults = [("truncate", 0), ("flip", 1), ("swap", 3), ("metadata", 5), ("nan", 6), ("delete", 2), ("stray", 0)]
+    for kind, at in faults:
+        apply_fault(shards, kind, at)
+    damaged = {names[i] for i in (0, 1, 2, 3, 4, 5, 6)} | {"shard-99999.safetensors"}
+    quarantine = shards / QUARANTINE_DIR
+    noted_before = {n.name for n in quarantine.glob("*.reason.txt")} if quarantine.is_dir() else set()
+
+    tag = f"e2e-{uuid.uuid4().hex[:8]}"
+    with tags(tag):
+        state = pipeline(e2e_config, return_state=True)
+    assert state.is_completed(), state.message
+    noted = {n.name.split(".safetensors.")[0] + ".safetensors" for n in quarantine.glob("*.reason.txt")}
+    noted -= {n.split(".safetensors.")[0] + ".safetensors" for n in noted_before}
+    assert damaged <= noted, f"not quarantined: {sorted(damaged - noted)}"
+    assert {p.name: p.read_bytes() for p in shards.glob("shard-*.safetensors")} == before
+    assert {
+        str(p): p.read_bytes() for p in sorted((train_dir / "checkpoints").rglob("*")) if p.is_file()
+    } == checkpoints
+    assert (train_dir / "torchrun.log").read_bytes() == torchrun_log  # torchrun was not launched again
+
+
 def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server, e2e_config):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName

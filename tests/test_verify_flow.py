@@ -3,15 +3,14 @@ again; a shard still bad when the healing rounds run out fails the flow with eve
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
+from faults import KINDS, apply_fault
 from run_fixtures import extract, write_tokenized
 
 from eyas.config import load_run_config
-from eyas.shards.format import load_shard, shard_filename, write_shard
-from eyas.shards.manifest import read_manifest, write_manifest
+from eyas.shards.manifest import read_manifest
 from eyas.shards.shard_set import QUARANTINE_DIR
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
@@ -40,12 +39,7 @@ def extracted_run(tmp_path, tiny_target_dir, random_target_dir, *, seed: int, **
 def config(tmp_path, tiny_target_dir, random_target_dir):
     """A run whose tokenized dataset and shards exist; shard 1 holds a NaN (written with a valid checksum)."""
     config = extracted_run(tmp_path, tiny_target_dir, random_target_dir, seed=2)
-    shards = config.paths.shards_dir
-    tensors, meta = load_shard(shards / shard_filename(1))
-    tensors = {k: v.clone() for k, v in tensors.items()}
-    tensors["aux_hidden_states"][0, 0] = math.nan
-    row = write_shard(shards, tensors, meta)
-    write_manifest(shards, [row if r.shard_index == 1 else r for r in read_manifest(shards)])
+    apply_fault(config.paths.shards_dir, "nan", at=1)
     return config
 
 
@@ -73,34 +67,7 @@ def test_flow_fails_with_every_reason_when_healing_runs_out(prefect_server, conf
     assert not (config.paths.shards_dir / QUARANTINE_DIR).exists()
 
 
-def _fault(shards, kind: str) -> None:
-    names = sorted(p.name for p in shards.glob("shard-*.safetensors"))
-    first = shards / names[0]
-    if kind == "truncate":
-        first.write_bytes(first.read_bytes()[:-100])
-    elif kind == "flip":
-        data = bytearray(first.read_bytes())
-        data[-7] ^= 0xFF
-        first.write_bytes(bytes(data))
-    elif kind == "delete":
-        first.unlink()
-    elif kind == "stray":
-        (shards / "shard-99999.safetensors").write_bytes(b"not a shard")
-    elif kind == "swap":
-        second = shards / names[1]
-        tmp = shards / "swap.tmp"
-        first.rename(tmp)
-        second.rename(first)
-        tmp.rename(second)
-    elif kind == "metadata":  # one digit of the header's JSON changed in place: same size, same data
-        data = bytearray(first.read_bytes())
-        at = data.index(b'"sample_start":"') + len(b'"sample_start":"') if b'"sample_start":"' in data else None
-        assert at is not None, "the header names sample_start"
-        data[at] = ord("9") if data[at] != ord("9") else ord("8")
-        first.write_bytes(bytes(data))
-
-
-@pytest.mark.parametrize("kind", ["truncate", "flip", "delete", "stray", "swap", "metadata"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_fault_after_a_verified_run_is_not_hidden_by_the_cache(prefect_server, tmp_path, tiny_target_dir,
                                                                  random_target_dir, kind):  # fmt: skip
     """A clean run verifies (and is cached); the fault is applied; the next verify runs again (the cache key
@@ -113,7 +80,7 @@ def test_a_fault_after_a_verified_run_is_not_hidden_by_the_cache(prefect_server,
     before = {p.name: p.read_bytes() for p in shards.glob("shard-*.safetensors")}
     assert verify_flow(config)["bad"] == 0
     assert verify_flow(config, return_state=True).result()["bad"] == 0  # unchanged files: reused
-    _fault(shards, kind)
+    apply_fault(shards, kind)
     summary = verify_flow(config)
     assert summary["quarantined"] >= 1 and summary["bad"] == 0, summary
     assert {p.name: p.read_bytes() for p in shards.glob("shard-*.safetensors")} == before

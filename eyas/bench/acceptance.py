@@ -219,6 +219,31 @@ def run_benchmark(
     }
 
 
+def describe_benchmark(result: dict) -> list[str]:
+    """The benchmark's result as a few aligned lines for a terminal (figures rounded; what an engine does not
+    measure is left out)."""
+    r = result
+
+    def fig(key: str, fmt: str = "{:.2f}") -> str:
+        return fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "-"
+
+    per_position = ", ".join(f"{a:.2f}" for a in r.get("accept_rate_per_position") or []) or "-"
+    lines = [
+        f"benchmark ({r['engine']} engine, {r.get('num_prompts', '?')} held-out prompts, chains of {r['steps']}):",
+        f"  tau (tokens per verify step)  {fig('tau_mean')}   n-gram {fig('tau_ngram')}   random draft "
+        f"{fig('tau_random')}",
+        f"  acceptance per position       {per_position}",
+    ]
+    if "speedup_vs_greedy" in r:
+        lines.append(
+            f"  speedup vs greedy             {fig('speedup_vs_greedy', '{:.2f}x')}   n-gram "
+            f"{fig('speedup_ngram_vs_greedy', '{:.2f}x')}"
+        )
+    if "lossless" in r:
+        lines.append(f"  lossless (output = greedy)    {'yes' if r['lossless'] else 'NO'}")
+    return lines
+
+
 def write_benchmark_json(result: dict, path: str | Path) -> Path:
     """Write the result as JSON (temporary file, fsync, rename)."""
     path = Path(path)

@@ -70,6 +70,20 @@ class ExtractSummary:
         return asdict(self)
 
 
+def summary_sentence(summary: dict) -> str:
+    """One sentence of an extraction's summary (ExtractSummary.to_dict), for logs."""
+    s = summary
+    extra = [f"{s['unlisted_rewritten']} unrecorded shards rewritten"] if s["unlisted_rewritten"] else []
+    extra += [f"{s['strays_removed']} stray files removed"] if s["strays_removed"] else []
+    return (
+        f"extraction: {s['shards_written']:,} shards written and {s['shards_skipped']:,} already done, of "
+        f"{s['shards_total']:,} ({s['tokens_written']:,} of {s['tokens_total']:,} tokens, {s['samples_total']:,} "
+        f"samples) in {s['seconds']:.1f} s by {s['num_workers']} worker{'s' * (s['num_workers'] != 1)} into "
+        f"{s['storage']}; aux layers {s['aux_layer_ids']}, hidden size {s['hidden_size']:,}"
+        + (f"; {', '.join(extra)}" if extra else "")
+    )
+
+
 class ExtractionProgress:
     """Samples and tokens done / total and an ETA, from the shard indices known to be done.
 
@@ -194,6 +208,8 @@ def run_extraction(
             f"extraction plan: {len(plan)} shards, {len(rp.done)} done, {len(rp.todo)} to extract "
             f"({rp.strays_removed} interrupted writes removed, {rp.unlisted} unrecorded shards to rewrite)"
         )
+        for reason in rp.quarantined:
+            print(f"quarantined (extracted again): {reason}")
         tracker = ExtractionProgress(store, plan, rp.done)
         on_shard = (lambda p: progress(tracker.shard_done(p))) if progress else None
         if progress:

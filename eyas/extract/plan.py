@@ -19,7 +19,7 @@ from eyas.facts import RunFacts
 from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.shards.format import FORMAT_VERSION, ShardPlan, bytes_per_token, plan_shards, shard_filename
 from eyas.shards.manifest import compact_manifest, read_manifest
-from eyas.shards.shard_set import ExtractConfigMismatchError, ExtractRunMeta, check_run_meta
+from eyas.shards.shard_set import ExtractConfigMismatchError, ExtractRunMeta, check_run_meta, quarantine_shards
 from eyas.storage import Storage
 
 
@@ -53,9 +53,12 @@ def assign_shards(todo: list[int], num_workers: int) -> list[list[int]]:
     return [todo[k::num_workers] for k in range(num_workers)]
 
 
-def check_manifest_against_plan(store: Storage, plan: list[ShardPlan], listing: dict[str, int]) -> set[int]:
-    """Indices of finished shards; refuses rows that disagree with the plan or whose file is gone."""
-    done = set()
+def check_manifest_against_plan(
+    store: Storage, plan: list[ShardPlan], listing: dict[str, int]
+) -> tuple[set[int], dict[str, str]]:
+    """(indices of finished shards, {file: reason} of rows whose file is gone or has another size); refuses
+    rows that disagree with the plan (another extraction's manifest)."""
+    done, damaged = set(), {}
     for row in read_manifest(store):
         p = plan[row.shard_index] if row.shard_index < len(plan) else None
         found = (row.sample_start, row.sample_end, row.num_tokens)
@@ -66,13 +69,31 @@ def check_manifest_against_plan(store: Storage, plan: list[ShardPlan], listing: 
                 f"move the shards aside and extract again"
             )
         if listing.get(row.file) != row.num_bytes:
-            raise FileNotFoundError(
-                f"{store.url}/{row.file}: listed in the manifest ({row.num_bytes} bytes) but "
-                f"{'missing' if row.file not in listing else f'{listing[row.file]} bytes'} in storage; run "
-                f"verification, which quarantines it (eyas.shards.shard_set.quarantine_shards), then extract again"
+            now = "missing" if row.file not in listing else f"{listing[row.file]} bytes"
+            damaged[row.file] = (
+                f"{row.file}: listed in the manifest ({row.num_bytes} bytes) but {now} in storage when an "
+                "extraction resumed"
             )
+            continue
         done.add(row.shard_index)
-    return done
+    return done, damaged
+
+
+def set_aside_damaged(store: Storage, damaged: dict[str, str]) -> list[str]:
+    """Shards whose file no longer matches its manifest row: on a local directory they are quarantined with the
+    reason (eyas.shards.shard_set.quarantine_shards: moved aside, row dropped) and extracted again; elsewhere
+    the extraction is refused with the fix (quarantine works on a local directory only)."""
+    if not damaged:
+        return []
+    where = store.local_path()
+    if where is None:
+        first = next(iter(damaged.values()))
+        raise FileNotFoundError(
+            f"{store.url}/{first}; {len(damaged)} such shard(s): run verification, which quarantines them "
+            "(eyas.shards.shard_set.quarantine_shards), then extract again"
+        )
+    quarantine_shards(where, damaged)
+    return [damaged[name] for name in sorted(damaged)]
 
 
 @dataclass
@@ -85,6 +106,7 @@ class ResumePlan:
     todo: list[int]
     strays_removed: int
     unlisted: int  # shard objects without a manifest row (a crash between write and row): rewritten
+    quarantined: list[str]  # reasons of the shards set aside because their file no longer matched its row
 
 
 def resume_plan(store: Storage, run: ExtractRunMeta, plan: list[ShardPlan]) -> ResumePlan:
@@ -94,10 +116,12 @@ def resume_plan(store: Storage, run: ExtractRunMeta, plan: list[ShardPlan]) -> R
     strays = store.remove_partial()
     compact_manifest(store)
     listing = store.list()
-    done = check_manifest_against_plan(store, plan, listing)
+    done, damaged = check_manifest_against_plan(store, plan, listing)
+    quarantined = set_aside_damaged(store, damaged)
+    listing = store.list() if damaged else listing
     todo = [p.index for p in plan if p.index not in done]
     unlisted = sum(shard_filename(i) in listing for i in todo)
-    return ResumePlan(run, plan, done, todo, len(strays), unlisted)
+    return ResumePlan(run, plan, done, todo, len(strays), unlisted, quarantined)
 
 
 def finish_extraction(store: Storage, plan: list[ShardPlan]) -> int:

@@ -6,7 +6,9 @@
 
 An approval is stored in `{workdir}/approval.json` with the fingerprint of the gated config sections
 (`GATE_SECTIONS`) and the overrides the reviewer gave; a re-run of the same configuration reuses it
-(and its overrides); a changed configuration asks again.
+(and its overrides); a changed configuration asks again. A rejection (or a gate nobody answered in
+time) is stored in `{workdir}/rejection.json` the same way, so that `eyas status` can say who
+rejected what, when and why; it binds nothing: the next run asks again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from eyas.train.data import total_steps
 
 GATE_SECTIONS = ("target", "dataset", "extract", "draft", "train")
 APPROVAL_RECORD = "approval.json"
+REJECTION_RECORD = "rejection.json"
 # Fields of `train` a reviewer may change at the gate, applied to the training run and recorded.
 OVERRIDABLE = ("num_epochs", "lr")
 
@@ -82,3 +85,15 @@ def ignored_overrides(config: RunConfig, overrides: dict, *, num_samples: int) -
 def read_approval_record(workdir: str | Path) -> dict | None:
     """The recorded decision of a workdir, whatever configuration it was for (None when there is none)."""
     return read_json_record(Path(workdir) / APPROVAL_RECORD)
+
+
+def write_rejection(config: RunConfig, record: dict) -> None:
+    """Record the newest rejection (or time-out) of a workdir's gate: decision, reviewer, note, decided_at, the
+    configuration's fingerprint and the flow run that asked."""
+    config.paths.root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(config.paths.root / REJECTION_RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def read_rejection_record(workdir: str | Path) -> dict | None:
+    """The newest rejection of a workdir's gate, whatever configuration it was for (None when there is none)."""
+    return read_json_record(Path(workdir) / REJECTION_RECORD)

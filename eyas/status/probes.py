@@ -15,7 +15,13 @@ from eyas.dataset.table import read_tokenized_meta, tokenized_num_samples
 from eyas.dataset.vocab import vocab_sizes
 from eyas.export.convert import SGLANG_EXPORT
 from eyas.export.drafter_dir import MODEL_FILE, export_state
-from eyas.gate.approval import APPROVAL_RECORD, gate_fingerprint, read_approval_record
+from eyas.gate.approval import (
+    APPROVAL_RECORD,
+    REJECTION_RECORD,
+    gate_fingerprint,
+    read_approval_record,
+    read_rejection_record,
+)
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
 from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, train_state
@@ -27,8 +33,8 @@ from eyas.train.smoke import SMOKE_FILE, read_smoke_result
 from eyas.verify.report import read_verify_report
 
 DONE, PARTIAL, RUNNING, FAILED, STALE = "done", "partial", "running", "failed", "stale"
-NOT_STARTED, UNREADABLE = "not started", "unreadable"
-STATES = (DONE, PARTIAL, RUNNING, FAILED, STALE, NOT_STARTED, UNREADABLE)
+NOT_STARTED, UNREADABLE, REJECTED = "not started", "unreadable", "rejected"
+STATES = (DONE, PARTIAL, RUNNING, FAILED, STALE, NOT_STARTED, UNREADABLE, REJECTED)
 # What a damaged or foreign file raises when read (pyarrow's errors are ValueErrors, json's too).
 READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
 RUN_CONFIG_NAME = "run.json"
@@ -153,6 +159,15 @@ def probe_smoke(ctx: Context) -> tuple[str, str, str]:
 def probe_approval(ctx: Context) -> tuple[str, str, str]:
     path = ctx.paths.root / APPROVAL_RECORD
     record = read_approval_record(ctx.paths.root)
+    rejection = read_rejection_record(ctx.paths.root)
+    if rejection is not None and (record is None or rejection["decided_at"] > record["decided_at"]):
+        ctx.progress["rejection"] = rejection
+        detail = f"{rejection['decision']} by {rejection['reviewer']} at {rejection['decided_at']}: " + (
+            rejection.get("note") or "no note"
+        )
+        if ctx.config is not None and rejection["config_fingerprint"] != gate_fingerprint(ctx.config):
+            detail += "; the configuration has changed since: the gate asks again"
+        return REJECTED, detail, ctx.rel(ctx.paths.root / REJECTION_RECORD)
     if record is None:
         return NOT_STARTED, "not approved yet", ctx.rel(path)
     detail = f"approved by {record['reviewer']} at {record['decided_at']}" + (
@@ -257,6 +272,7 @@ def file_table(ctx: Context) -> list[dict]:
         ("verification report", p.verify_report),
         ("smoke run", p.smoke_dir / SMOKE_FILE),
         ("approval", p.root / APPROVAL_RECORD),
+        ("rejection", p.root / REJECTION_RECORD),
         ("trainer job", p.train_dir / JOB_FILE),
         ("trainer log", p.train_dir / LOG_FILE),
         ("training metrics", p.train_dir / METRICS_FILE),

@@ -38,12 +38,28 @@ from eyas.config import RunConfig, load_run_config
 from eyas.fsio import atomic_write_text
 from eyas.markdown import table
 from eyas.status import probes
-from eyas.status.probes import DONE, FAILED, RUNNING, STALE, UNREADABLE
+from eyas.status.launches import ALIVE, ELSEWHERE, GONE, launch_of, liveness, read_launches
+from eyas.status.probes import DONE, FAILED, REJECTED, RUNNING, STALE, UNREADABLE
 from eyas.train.preflight import query_gpus
 
 RUN_CONFIG_NAME = probes.RUN_CONFIG_NAME
 STAGES = ("dataset", "extract", "verify", "smoke", "approval", "train", "export", "bench")
 SOFTWARE = ("eyas", "torch", "transformers", "prefect", "safetensors", "sglang")
+# Prefect state names of a flow run that has not ended and is not waiting at the gate.
+IN_FLIGHT = ("Running", "Pending", "Scheduled", "Late", "AwaitingRetry", "Retrying", "Cancelling")
+WAITING = ("Paused", "Suspended")
+SHOWN_RUNS = 10  # flow runs in the markdown table (the advice reads all of them)
+# The eyas verb that runs each flow (tasks/status.py's FLOW_NAMES), for the advice to re-run one.
+VERBS = {
+    "pipeline": "run",
+    "build-dataset": "dataset",
+    "extract-hidden-states": "extract",
+    "extract-worker": "extract",
+    "verify-shards": "verify",
+    "train-drafter": "train",
+    "export-drafter": "export",
+    "benchmark-acceptance": "bench",
+}
 
 
 @dataclass
@@ -65,7 +81,17 @@ class RunStatus:
     software: dict
     hardware: dict
     flow_runs: list[dict] = field(default_factory=list)  # filled by the caller from a Prefect server
-    flow_runs_note: str = ""
+    flow_runs_note: str = ""  # why there are none: no server answered (then nothing in flight could be checked)
+
+    def attach_flow_runs(self, runs: list[dict], note: str = "") -> None:
+        """The flow runs a server knows for this workdir (tasks/status.py), each run by an `eyas` command's own
+        process annotated with that process: `process` alive | gone | elsewhere, `pid`, `host`."""
+        launches = read_launches(self.workdir)
+        for run in runs:
+            launch = launch_of(run, launches)
+            if launch is not None:
+                run |= {"process": liveness(launch), "pid": launch.get("pid"), "host": launch.get("host")}
+        self.flow_runs, self.flow_runs_note = runs, note
 
     def stage(self, name: str) -> StageState:
         return next(s for s in self.stages if s.stage == name)
@@ -191,15 +217,85 @@ def stage_command(stage: StageState, cfg: str, run: str, status: RunStatus) -> s
     return f"`eyas bench {cfg}`"
 
 
+def _where(run: dict) -> str:
+    if run.get("process") in (ALIVE, ELSEWHERE):
+        return f"in the `eyas` process {run['pid']} on {run['host']}"
+    return "through a deployment (its worker runs it)" if run.get("deployment") else "in a process eyas did not record"
+
+
+def _rerun(run: dict, cfg: str) -> str:
+    return f"`eyas {VERBS.get(run['flow'], 'run')} {cfg}`"
+
+
+def flight_steps(status: RunStatus, cfg: str) -> tuple[list[str], bool]:
+    """Advice from the flow runs the server knows: (steps, whether they settle what to do now, so that no
+    stage command is added beside them). Decided on the top-level runs (a pipeline, or a stage verb's flow);
+    their subflows say where a live one is now."""
+    runs = status.flow_runs
+    if not runs:
+        note = status.flow_runs_note
+        return ([f"could not check for runs in flight or waiting at the gate: {note}"] if note else []), False
+    tops = [r for r in runs if not r.get("subflow")]
+    dead = [r for r in tops if r["state"] in IN_FLIGHT + WAITING and r.get("process") == GONE]
+    waiting = [r for r in tops if r["state"] in WAITING and r.get("process") != GONE]
+    live = [r for r in tops if r["state"] in IN_FLIGHT and r.get("process") != GONE]
+    if dead:
+        top = dead[0]
+        return [
+            f"flow run {top['id']} ({top['flow']}) is {top['state']} on the server, but the `eyas` process that ran "
+            f"it ({top['pid']} on {top['host']}) is gone: it died without reporting. The crash automation marks it "
+            "Crashed one window after its last heartbeat (EYAS_CRASH_WITHIN_S, 90 s by default); no need to wait: "
+            f"{_rerun(top, cfg)} resumes from what is durable (finished stages come back from cache or their files)"
+        ], True
+    if waiting:
+        run = waiting[0]
+        return [
+            f"flow run {run['id']} ({run['flow']}) waits at the approval gate: read the summary in the UI (Resume), "
+            f"then `eyas approve {run['id']}` or `eyas approve {run['id']} --reject --note WHY`"
+        ], True
+    if live:
+        top = live[0]
+        inner = [r for r in runs if r.get("subflow") and r["state"] in IN_FLIGHT + WAITING]
+        now = f", now in {inner[0]['flow']} ({inner[0]['run']})" if inner else ""
+        return [
+            f"flow run {top['id']} ({top['flow']}) is {top['state']} {_where(top)}{now}: wait for it; `eyas status` "
+            "again shows its progress"
+        ], True
+    if tops and tops[0]["state"] == "Crashed":
+        newest = tops[0]
+        retry = (
+            f"`.venv/bin/prefect flow-run retry {newest['id']}` (its deployment's worker runs it again)"
+            if newest.get("deployment")
+            else _rerun(newest, cfg)
+        )
+        return [
+            f"flow run {newest['id']} ({newest['flow']}) Crashed ({newest.get('message') or 'no message'}): retry "
+            f"it with {retry}; finished stages come back from cache or their files, training from its newest "
+            "checkpoint"
+        ], True
+    return [], False
+
+
+def rejection_step(status: RunStatus, cfg: str) -> str:
+    rejection = status.progress["rejection"]
+    what = (
+        "nobody answered the gate in time (approval.timeout_s)"
+        if rejection["decision"] == "timed out"
+        else f"{rejection['reviewer']} rejected training at {rejection['decided_at']}: "
+        f'"{rejection.get("note") or "no note"}"'
+    )
+    return (
+        f"{what}. Change what the note asks for in {cfg} (the gate covers the target, dataset, extract, draft and "
+        f"train sections), then `eyas run {cfg}`: finished stages come back, and the gate asks again"
+    )
+
+
 def next_steps(status: RunStatus) -> list[str]:
     """What to do now, first the command to run."""
     cfg, run = status.config_path or "CONFIG", status.workdir
-    steps = []
-    paused = [r for r in status.flow_runs if r.get("state") in ("Paused", "Suspended")]
-    if paused:
-        steps.append(
-            f"flow run {paused[0]['id']} waits at the approval gate: `eyas approve {paused[0]['id']}` [--reject]"
-        )
+    steps, settled = flight_steps(status, cfg)
+    if settled:
+        return steps
     if status.stage("train").state == RUNNING:
         return steps + [
             f"training is running: `tail -f {run}/train/torchrun.log`; `eyas status` again later; stop it with `eyas stop {run}/train`"
@@ -210,7 +306,9 @@ def next_steps(status: RunStatus) -> list[str]:
     passed = {"smoke"} if status.stage("approval").state == DONE else set()
     passed |= {"smoke", "approval"} if status.stage("train").state == DONE else set()
     pending = [s for s in status.stages if s.state != DONE and s.stage not in passed]
-    if pending:
+    if pending and pending[0].stage == "approval" and pending[0].state == REJECTED:
+        steps.append(rejection_step(status, cfg))
+    elif pending:
         steps.append(stage_command(pending[0], cfg, run, status))
     else:
         steps.append(
@@ -285,8 +383,16 @@ def render_markdown(status: RunStatus, title: str = "") -> str:
     out += ["", "## Next", ""] + [f"{i}. {step}" for i, step in enumerate(status.next_steps(), 1)]
     out += ["", "## Prefect flow runs of this workdir", ""]
     if status.flow_runs:
-        keys = ["flow", "run", "state", "started", "duration_s", "id"]
-        out += _table(keys, [[r.get(k, "") for k in keys] for r in status.flow_runs])
+        keys = ["flow", "run", "state", "process", "started", "duration_s", "id"]
+        shown = status.flow_runs[:SHOWN_RUNS]
+        rows = [[r.get(k, "") for k in keys] for r in shown]
+        for row, r in zip(rows, shown):
+            row[3] = f"{r['pid']} on {r['host']}: {r['process']}" if r.get("process") else "-"
+            if r.get("process") == GONE and r["state"] in IN_FLIGHT + WAITING:
+                row[2] = f"{r['state']} on the server; its process is gone"
+        out += _table(keys, rows)
+        if len(status.flow_runs) > SHOWN_RUNS:
+            out += ["", f"and {len(status.flow_runs) - SHOWN_RUNS} older (`--json` lists them)"]
     out += [status.flow_runs_note] if status.flow_runs_note else ([] if status.flow_runs else ["none recorded"])
     out += ["", "## Software and hardware (this machine)", ""]
     out += _table(["", ""], [[k, v] for k, v in {**status.software, **status.hardware}.items()])

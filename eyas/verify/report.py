@@ -62,6 +62,23 @@ class VerifyReport:
             "gib_per_s": round(num_bytes / (1 << 30) / self.seconds, 3) if self.seconds > 0 else 0.0,
         }
 
+    @staticmethod
+    def describe(summary: dict) -> str:
+        """One sentence of a verification's summary (summary(), plus the flow's heal_rounds, quarantined and
+        report), for logs."""
+        s = summary
+        healed = (
+            f"; {s['quarantined']} quarantined and re-extracted in {s['heal_rounds']} healing "
+            f"round{'s' * (s['heal_rounds'] != 1)}"
+            if s.get("heal_rounds")
+            else ""
+        )
+        return (
+            f"verification ({s['mode']}): {s['ok']:,} of {s['shards']:,} shards ok, {s['bad']:,} bad "
+            f"({s['tokens']:,} tokens, {s['bytes'] / (1 << 20):,.1f} MiB in {s['seconds']:.1f} s){healed}"
+            + (f"; report {s['report']}" if s.get("report") else "")
+        )
+
     def outcome_table(self, *, max_examples: int = 3) -> list[dict]:
         """One row per outcome ('ok', or the first failed check): shards, tokens, bytes, example reasons."""
         groups: dict[str, list[ShardReportRow]] = {}

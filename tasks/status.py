@@ -9,20 +9,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from eyas.config import RunConfig
-from eyas.status.report import STAGES, record_run_config, run_status
+from eyas.status.report import STAGES, VERBS, record_run_config, run_status
 from tasks.reporting import markdown_artifact
 
-# The flows of eyas, by their Prefect names (flows/*.py).
-FLOW_NAMES = (
-    "pipeline",
-    "build-dataset",
-    "extract-hidden-states",
-    "extract-worker",
-    "verify-shards",
-    "train-drafter",
-    "export-drafter",
-    "benchmark-acceptance",
-)
+# The flows of eyas, by their Prefect names (flows/*.py): those eyas.status.report knows a verb for.
+FLOW_NAMES = tuple(VERBS)
 PAGE, SCANNED_RUNS = 200, 1000  # the server answers at most 200 runs per request
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from eyas.config import RunConfig, load_run_config
 from eyas.fsio import atomic_write_text
+from eyas.gate.approval import GATE_SECTIONS
 from eyas.markdown import table
 from eyas.status import probes
 from eyas.status.launches import ALIVE, ELSEWHERE, GONE, launch_of, liveness, read_launches
@@ -285,8 +286,8 @@ def rejection_step(status: RunStatus, cfg: str) -> str:
         f'"{rejection.get("note") or "no note"}"'
     )
     return (
-        f"{what}. Change what the note asks for in {cfg} (the gate covers the target, dataset, extract, draft and "
-        f"train sections), then `eyas run {cfg}`: finished stages come back, and the gate asks again"
+        f"{what}. Change what the note asks for in {cfg} (the gate covers its sections {', '.join(GATE_SECTIONS)}), "
+        f"then `eyas run {cfg}`: finished stages come back, and the gate asks again"
     )
 
 

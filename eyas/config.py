@@ -333,12 +333,21 @@ class SmokeConfig(StrictModel):
 
 
 class ApprovalConfig(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data):
+        if isinstance(data, dict) and "gpu_hours_per_step" in data:
+            raise ValueError(
+                "approval.gpu_hours_per_step was removed: the gate's estimate is scaled from the smoke run's "
+                "measured speed; delete the key from the preset"
+            )
+        return data
+
     timeout_s: int = Field(
         default=7 * 24 * 3600,
         ge=10,
         description="how long the gate waits for a person; then the run fails and nothing is trained",
     )
-    gpu_hours_per_step: float = Field(default=0.0, ge=0, description="for the estimate shown at the gate")
 
 
 class ExportConfig(StrictModel):

@@ -7,6 +7,7 @@ import select
 import sys
 import threading
 import time
+from pathlib import Path
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
@@ -58,9 +59,10 @@ class GateWatcher(threading.Thread):
     otherwise leaves the answer to the UI or `eyas approve`.
     """
 
-    def __init__(self, tag: str, ui_url: str, answer: str | None):
+    def __init__(self, tag: str, ui_url: str, answer: str | None, summary_path: Path | None = None):
         super().__init__(daemon=True)
         self.tag, self.ui_url, self.answer = tag, ui_url, answer
+        self.summary_path = summary_path  # the gate's terminal summary, printed before the question
         self.announced = False
 
     def run(self) -> None:
@@ -99,9 +101,11 @@ class GateWatcher(threading.Thread):
                 f"approval gate answered: {'approved' if approve else 'rejected'} (APPROVE={self.answer})", flush=True
             )
             return
+        if self.summary_path is not None and self.summary_path.is_file():
+            print(f"\n{self.summary_path.read_text()}", flush=True)
         print(
-            f"The run is waiting for approval: see the summary at {url} (Resume), "
-            f"or run `eyas approve {run.id}` [--reject].",
+            f"The run is waiting for approval; the summary is also in the UI (Resume):\n  {url}\n"
+            f"Answer below, there, or with:\n  eyas approve {run.id} [--reject]",
             flush=True,
         )
         if not sys.stdin.isatty():

@@ -5,7 +5,7 @@ Usage:
 
 A flow run's process emits `prefect.flow-run.heartbeat` every PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 seconds (Prefect sends none when it is unset; at least 30). Every process eyas starts sets it to
-HEARTBEAT_S = 30: the flow runs `python -m eyas_cli.worker` starts, and the runs `eyas run`, `eyas demo`
+HEARTBEAT_S = 30: the flow runs `eyas worker` starts, and the runs `eyas run`, `eyas demo`
 and the stage verbs execute in their own process (eyas_cli.main, which installs this automation too).
 A process killed under a live worker is reported Crashed by the worker; when the whole VM dies, or a
 run executing in the `eyas` command's own process is killed, nobody reports anything and the run

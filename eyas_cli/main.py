@@ -4,6 +4,8 @@ Usage:
   eyas demo [--approve yes|no]           the whole pipeline on the bundled tiny target
   eyas run CONFIG [--approve yes|no]     the whole pipeline for a preset (JSON RunConfig)
   eyas dataset|extract|verify|train|export|bench CONFIG    one stage
+  eyas worker [--pool P] [--results-dir D] [--within-s S] [--setup-only]   eyas's worker of the process pool
+  eyas deploy --name PATTERN | --all     prefect deploy of prefect.yaml, then which worker to start
   eyas approve RUN_ID [--reject] [--note TEXT] [--reviewer NAME]
   eyas inspect PATH [--target T] [--engine E]   audit a drafter checkpoint (no Prefect, no torch)
   eyas remap SRC DST --to FORMAT [--sglang-version V] [--target T] [--dtype D] [--embed-from F]
@@ -47,6 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     for stage in STAGES:
         sub.add_parser(stage, help=f"run the {stage} stage's flow").add_argument("config")
+    from eyas_cli.worker import add_arguments as worker_arguments
+
+    worker_arguments(sub.add_parser("worker", help="set up and start the worker of eyas's process pool"))
+    deploy = sub.add_parser("deploy", help="deploy prefect.yaml's deployments, then say which worker to start")
+    which = deploy.add_mutually_exclusive_group(required=True)
+    which.add_argument("--name", help="deployment name or pattern, e.g. '*-tiny-cpu'")
+    which.add_argument("--all", action="store_true", help="every deployment in prefect.yaml")
     approve = sub.add_parser("approve", help="answer a run waiting at the approval gate")
     approve.add_argument("run_id")
     approve.add_argument("--reject", action="store_true")
@@ -128,11 +137,12 @@ def run_pipeline(config, answer: str | None) -> int:
     api, tag = start_in_process(config)  # must run before anything imports prefect
     from prefect import tags
 
+    from eyas.gate.summary import SUMMARY_FILE
     from eyas_cli.approval import GateWatcher
     from eyas_cli.server import ui_url
     from flows.pipeline import pipeline
 
-    GateWatcher(tag, ui_url(api), answer).start()
+    GateWatcher(tag, ui_url(api), answer, summary_path=config.paths.root / SUMMARY_FILE).start()
     with tags(tag, f"config-{config.name}"):
         state = pipeline(config, return_state=True)
     if not state.is_completed():
@@ -320,6 +330,14 @@ def dispatch(args: argparse.Namespace) -> int:
         return run_pipeline(load_config(args.config), args.approve)
     if args.command in STAGES:
         return run_stage(args.command, load_config(args.config))
+    if args.command == "worker":
+        from eyas_cli.worker import run
+
+        return run(args)
+    if args.command == "deploy":
+        from eyas_cli.worker import deploy
+
+        return deploy(args.name, args.all)
     if args.command == "approve":
         from eyas_cli.approval import check_run_id
 

@@ -1,7 +1,8 @@
 """Set up this machine's worker for eyas's deployments (prefect.yaml), then run it.
 
-Usage:
-  python -m eyas_cli.worker [--pool eyas-local] [--results-dir DIR] [--within-s 90] [--setup-only]
+Usage (the same as `eyas worker ...`):
+  .venv/bin/eyas worker [--pool eyas-local] [--results-dir DIR] [--within-s 90] [--setup-only]
+  .venv/bin/eyas deploy --name '*-tiny-cpu' | --all     # prefect deploy, then which worker to start and why
 
 1. the work pool POOL (type process) exists;
 2. the crash-detection automation is installed on the server (eyas_cli.automation);
@@ -58,17 +59,28 @@ def ensure_process_pool(name: str) -> bool:
     return False
 
 
-def main(argv: list[str] | None = None) -> int:
+# What `prefect deploy` does not say: its closing hint names a plain `prefect worker start`, which is not eyas's.
+WORKER_HINT = f"""
+Start eyas's worker for these deployments, not the plain `prefect worker start` Prefect suggests above:
+  process pool {POOL}:   .venv/bin/eyas worker
+    (it sets 30-s flow-run heartbeats, durable task results and the crash automation; a plain
+    worker has none, so a dead run is never marked Crashed and a resumed one recomputes its stages)
+  Kubernetes pool eyas-gpu: .venv/bin/prefect worker start --pool eyas-gpu
+    (there the pool's job template sets the same environment in every pod)"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     state_dir = Path(os.environ.get("EYAS_STATE_DIR", REPO / ".eyas"))
-    parser = argparse.ArgumentParser(prog="python -m eyas_cli.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--pool", default=POOL, help="process work pool the deployments name")
     parser.add_argument("--results-dir", type=Path, default=state_dir / "results", help="durable task results")
     parser.add_argument(
         "--within-s", type=int, default=None, help=f"seconds without heartbeat before Crashed (default {WITHIN_S})"
     )
     parser.add_argument("--setup-only", action="store_true", help="set up, print the environment, do not start")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
+    """Set up the pool and the automation, then become the worker (unless --setup-only)."""
     from eyas_cli.automation import install_crash_detection
     from eyas_cli.server import connect
 
@@ -85,6 +97,28 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", args.pool, "--type", "process"]
     os.execvpe(cmd[0], cmd, {**os.environ, "PREFECT_API_URL": api, **env})
     return 0  # not reached
+
+
+def deploy(name: str | None, deploy_all: bool) -> int:
+    """`prefect deploy` of prefect.yaml's deployments (by name pattern, or all) on eyas's server, from the
+    repository; then which worker to start. Returns prefect's exit code."""
+    import subprocess
+
+    from eyas_cli.server import connect
+
+    api = connect()
+    which = ["--all"] if deploy_all else ["--name", name]
+    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", *which]
+    code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PREFECT_API_URL": api}).returncode
+    if code == 0:
+        print(WORKER_HINT)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eyas worker", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ re-runs it from the top), a run retried after a crash, and a new run of the same
 find the work done.
 
 Results are persisted to Prefect's default result storage, `PREFECT_RESULTS_LOCAL_STORAGE_PATH`
-(default `$PREFECT_HOME/storage`); `python -m eyas_cli.worker` points it at durable storage beside
+(default `$PREFECT_HOME/storage`); `eyas worker` points it at durable storage beside
 the server's database. An entry belongs to one workdir: the key holds the workdir's path and a
 random id written into it once (`.eyas-workdir-id`), so a deleted or recreated workdir never hits
 entries that describe outputs which are gone.

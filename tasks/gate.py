@@ -20,6 +20,7 @@ answer against the form's JSON schema and refuses a bad one; the run keeps waiti
 """
 
 from datetime import datetime, timezone
+from typing import Annotated
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
@@ -30,11 +31,12 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, suspend_flow_run
 from prefect.input import RunInput
 from prefect.states import Failed
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from eyas.config import RunConfig
 from eyas.dataset.table import tokenized_num_samples
 from eyas.facts import RunFacts
+from eyas.fsio import atomic_write_text
 from eyas.gate.approval import (
     OVERRIDABLE,
     gate_fingerprint,
@@ -43,7 +45,8 @@ from eyas.gate.approval import (
     write_approval,
     write_rejection,
 )
-from eyas.gate.summary import gate_summary as summary_markdown
+from eyas.gate.summary import SUMMARY_FILE, GateSummary
+from eyas.gate.summary import gate_summary as summaries
 from eyas.markdown import table
 
 MAX_ASKS = 3  # answers with refused overrides before the gate gives up
@@ -62,12 +65,28 @@ class TrainingApproval(RunInput):
         return {name: getattr(self, name) for name in OVERRIDABLE if getattr(self, name, None) is not None}
 
 
+def _plain_optional(schema: dict) -> None:
+    schema.pop("default", None)  # no `null` default: the UI shows an empty number box, and leaving it empty omits it
+
+
+# The overrides' schema is a plain number (not `integer | null`, which the UI renders as a type switch reading
+# 'Property is type "None"'); left empty, the field is absent and the model's None applies.
+OptionalEpochs = Annotated[int | None, WithJsonSchema({"type": "integer", "minimum": 1})]
+OptionalLr = Annotated[float | None, WithJsonSchema({"type": "number", "exclusiveMinimum": 0})]
+
+
 class TrainingApprovalWithOverrides(TrainingApproval):
-    num_epochs: int | None = Field(
-        default=None, ge=1, description="train.num_epochs for this run; empty = as configured"
+    num_epochs: OptionalEpochs = Field(
+        default=None,
+        ge=1,
+        description="train.num_epochs for this run; empty = as configured",
+        json_schema_extra=_plain_optional,
     )
-    lr: float | None = Field(
-        default=None, gt=0, description="train.lr (AdamW peak) for this run; empty = as configured"
+    lr: OptionalLr = Field(
+        default=None,
+        gt=0,
+        description="train.lr (AdamW peak) for this run; empty = as configured",
+        json_schema_extra=_plain_optional,
     )
 
 
@@ -77,13 +96,26 @@ class TrainingRejected(RuntimeError):
 
 # Formatting of its inputs: cheap, not cached, nothing to retry.
 @task(name="gate-summary", cache_policy=NO_CACHE)
-def gate_summary(config: RunConfig, facts: RunFacts, dataset: dict, verified: dict, smoke: dict, devices: dict) -> str:
-    """The Markdown a reviewer sees above the approval form."""
-    return summary_markdown(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
+def gate_summary(
+    config: RunConfig, facts: RunFacts, dataset: dict, verified: dict, smoke: dict, devices: dict
+) -> GateSummary:
+    """What a reviewer sees: above the approval form, in the terminal, and in full as an artifact."""
+    return summaries(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
+
+
+def publish_summary(config: RunConfig, summary: GateSummary) -> str:
+    """The terminal's copy in the workdir and the complete summary as an artifact; returns the dialog's
+    Markdown, which links to that artifact."""
+    config.paths.root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(config.paths.root / SUMMARY_FILE, summary.terminal + "\n")
+    artifact_id = create_markdown_artifact(
+        key="gate-summary", markdown=summary.full, description="approval gate: the complete summary"
+    )
+    return f"{summary.dialog}\n\n[The complete summary]({'/artifacts/artifact/' + str(artifact_id)}) (every table)."
 
 
 def approval_gate(
-    config: RunConfig, summary_md: str, *, num_samples: int | None = None, accept_overrides: bool = False
+    config: RunConfig, summary: GateSummary | str, *, num_samples: int | None = None, accept_overrides: bool = False
 ) -> TrainingApproval:
     """Wait until answered; returns the approval or raises TrainingRejected (training never starts). Called in a
     flow run (not a task): the pause or suspension is the flow run's.
@@ -97,7 +129,9 @@ def approval_gate(
         print(f"approval already given by {record['reviewer']} at {record['decided_at']} for this configuration")
         decision_artifact(record, reused=True)
         return form(**{k: record[k] for k in ("approve", "reviewer", "note")}, **record.get("overrides", {}))
-    form_md = summary_md + (overrides_help(config) if accept_overrides else "")
+    if isinstance(summary, str):
+        summary = GateSummary.plain(summary)
+    form_md = publish_summary(config, summary) + (overrides_help(config) if accept_overrides else "")
     description = form_md
     for ask in range(1, MAX_ASKS + 1):
         answer = wait_for_answer(config, form.with_initial_data(description=description), key=f"approval-gate-{ask}")

@@ -54,6 +54,9 @@ def smoke_run(config: RunConfig, facts: RunFacts) -> dict:
         "last_loss": round(result.last, 4),
         "steps": len(result.losses),
         "seconds": round(result.seconds, 1),
+        "samples": result.num_samples,
+        "tokens_per_s": result.tokens_per_s,
+        "device": result.device,
         "passed": result.passed,
         "modules": result.modules,
     }

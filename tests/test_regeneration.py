@@ -191,7 +191,7 @@ def test_the_gate_shows_the_accounting_and_a_sampling_mismatch():
             "skipped_reasons": {"no user turn to answer": 1}, "token_ids_source": {"server": 8}}  # fmt: skip
     rows, mismatch = dataset_notes({"accounting": acct, "generation_temperature": 0.7, "bench_temperature": 0.0})
     assert rows == ("rows: 8 answered + 1 failed + 1 skipped = 10 input (1 x http://a: HTTP 500; 1 x no user turn "
-                    "to answer); token ids {'server': 8}")  # fmt: skip
+                    "to answer); token ids: 8 server")  # fmt: skip
     assert mismatch.startswith("**sampling mismatch**: the responses were sampled at temperature 0.7, the benchmark")
     assert dataset_notes({"accounting": acct, "generation_temperature": 0.0, "bench_temperature": 0.0}) == [rows]
 

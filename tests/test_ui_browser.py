@@ -27,6 +27,22 @@ from eyas.config import RunConfig, load_run_config
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
+# Elements of the dialog wider than their box (scrollWidth > clientWidth) or reaching past the dialog's edges.
+DIALOG_OVERFLOW_JS = """(dialog) => {
+  const box = dialog.getBoundingClientRect();
+  const found = [];
+  for (const el of dialog.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || el.closest('input, textarea, select')) continue;
+    const style = getComputedStyle(el);
+    const scrolls = el.scrollWidth > el.clientWidth + 1 && ['auto', 'scroll'].includes(style.overflowX);
+    if (scrolls || r.right > box.right + 1 || r.left < box.left - 1) {
+      found.push(`${el.tagName.toLowerCase()}.${el.className}: ${el.scrollWidth}/${el.clientWidth} px, ` +
+                 `${Math.round(r.left)}..${Math.round(r.right)} in ${Math.round(box.left)}..${Math.round(box.right)}`);
+    }
+  }
+  return found.slice(0, 10);
+}"""
 REVIEWER = "ui-reviewer"
 NOTE = "approved in the browser test"
 EPOCHS_DEPLOYED, EPOCHS_IN_FORM = 3, 2
@@ -180,6 +196,26 @@ def test_user_runs_the_pipeline_from_the_ui_and_approves_it_there(local_prefect,
             dialog = page.get_by_role("dialog")
             expect(dialog.get_by_label(re.compile(r"^Reviewer"))).to_be_visible()
             expect(dialog).to_contain_text("eyas.train")  # the summary shows the exact command that will run
+            # the decision's facts first: what trains and what is frozen, the cost, the data, the smoke run
+            for words in ("trains", "frozen", "cost", "about", "wall", "shards verified", "smoke run", "passed"):
+                expect(dialog).to_contain_text(words)
+            expect(dialog).not_to_contain_text("{'weight'")  # shapes as [512, 128], not Python dicts
+            # the overrides are plain optional numbers, not an `int | None` type switch
+            expect(dialog.get_by_label(re.compile(r"^Num Epochs"))).to_be_visible()
+            expect(dialog).not_to_contain_text("Property is type")
+            # nothing in the dialog is wider than its box: no element scrolls or sticks out sideways
+            overflow = dialog.evaluate(DIALOG_OVERFLOW_JS)
+            assert not overflow, f"the Resume dialog overflows sideways: {overflow}"
+            dialog.screenshot(path=str(shots_dir / "resume-dialog.png"))
+            dialog.locator("pre").last.scroll_into_view_if_needed()
+            dialog.screenshot(path=str(shots_dir / "resume-dialog-command.png"))
+            # the complete summary is a full-width artifact, linked from the description
+            link = dialog.get_by_role("link", name="The complete summary")
+            href = link.get_attribute("href")
+            artifact_id = re.search(r"/artifacts/artifact/([0-9a-f-]{36})$", href or "")
+            assert artifact_id, f"the complete summary's link: {href!r}"
+            full = local.api("GET", f"/artifacts/{artifact_id[1]}")
+            assert full["key"] == "gate-summary" and "the complete summary" in full["data"], full
             shot("resume-form")
             approve = dialog.get_by_role("switch", name=re.compile(r"^Approve")).or_(
                 dialog.get_by_role("checkbox", name=re.compile(r"^Approve"))

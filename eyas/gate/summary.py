@@ -1,17 +1,48 @@
-"""The summary a reviewer decides on at the approval gate (Markdown: the UI renders it above the form).
+"""What a reviewer decides on at the approval gate, in three layouts of the same facts.
 
-    md = gate_summary(config, facts, dataset=..., verified=..., smoke=..., devices=...)
+    summary = gate_summary(config, facts, dataset=..., verified=..., smoke=..., devices=...)
+    summary.terminal   # plain text for an 80-column terminal, printed before `Approve training now? [y/N]`
+    summary.dialog     # Markdown for the Prefect UI's Resume dialog (narrow: no wide table, the command wrapped)
+    summary.full       # the complete Markdown (every table), a full-width artifact linked from the dialog
 
-It shows the dataset, the shard verification, every draft module with its parameter count and
-whether it trains, the smoke run, the device preflight, the estimate and the exact command.
+The facts come first and once (`review`): the draft's modules with parameter counts, shapes and whether
+each trains (and the totals), the data (samples, tokens, shards verified), the smoke run, the device
+preflight, the estimate (scaled from the smoke run's measured speed, eyas.train.launch.training_estimate)
+and the exact command.
 """
 
 from __future__ import annotations
 
+import textwrap
+from dataclasses import dataclass
+
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
-from eyas.markdown import dict_table
-from eyas.train.launch import JOB_FILE, format_command, gpu_hours_estimate, planned_steps, torchrun_command
+from eyas.markdown import dict_table, table
+from eyas.train.launch import JOB_FILE, format_command, torchrun_command, training_estimate, wrap_command
+
+SUMMARY_FILE = "gate-summary.txt"  # in the workdir: the terminal's copy (eyas_cli.approval prints it)
+TERMINAL_WIDTH = 80
+DIALOG_COMMAND_WIDTH = 44  # characters of a command line in the Resume dialog's code block (checked in Chromium)
+
+
+@dataclass(frozen=True)
+class GateSummary:
+    terminal: str
+    dialog: str
+    full: str
+
+    @classmethod
+    def plain(cls, text: str) -> "GateSummary":
+        """One text in all three places (probes and tests)."""
+        return cls(terminal=text, dialog=text, full=text)
+
+
+def token_sources(sources) -> str:
+    """Where the samples' token ids came from: `638 local` (a count per source), or the source as given."""
+    if isinstance(sources, dict):
+        return ", ".join(f"{n:,} {source}" for source, n in sources.items())
+    return str(sources)
 
 
 def dataset_notes(dataset: dict) -> list[str]:
@@ -25,7 +56,7 @@ def dataset_notes(dataset: dict) -> list[str]:
             f"rows: {acct['answered']} answered + {acct['failed']} failed + {acct['skipped']} skipped = "
             f"{acct['input']} input"
             + (f" ({'; '.join(f'{n} x {r}' for r, n in reasons.items())})" if reasons else "")
-            + (f"; token ids {acct['token_ids_source']}" if acct.get("token_ids_source") else "")
+            + (f"; token ids: {token_sources(acct['token_ids_source'])}" if acct.get("token_ids_source") else "")
         )
     gen, bench = dataset.get("generation_temperature"), dataset.get("bench_temperature")
     if gen is not None and bench is not None and gen != bench:
@@ -37,32 +68,178 @@ def dataset_notes(dataset: dict) -> list[str]:
     return notes
 
 
-def gate_summary(
-    config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict
-) -> str:
-    """The Markdown above the approval form; `dataset`, `verified`, `smoke` and `devices` are the stages'
-    summaries (the dataset report, the verification summary, the smoke run, the preflight report)."""
-    job_path = config.paths.train_dir / JOB_FILE
+def shape_items(shapes: dict) -> list[str]:
+    """A module's parameter shapes as `weight [512, 128]`, one item per parameter (just `[512, 128]` when the
+    module's only parameter is its weight)."""
+    if list(shapes) == ["weight"]:
+        return [str(shapes["weight"])]
+    return [f"{name} {shape}" for name, shape in shapes.items()]
+
+
+def _lay_out(items: list[str], start: str, width: int) -> list[str]:
+    """Items after `start`, separated by ", ", never broken inside one; continuation lines aligned under the first."""
+    if not items:
+        return [start.rstrip()]
+    if len(start) + max(len(item) + 1 for item in items) > width:  # a column too narrow: the items below the row
+        return [start.rstrip(), *(" " * 6 + item + ("," if i < len(items) - 1 else "") for i, item in enumerate(items))]
+    lines, line = [], start
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if line.strip() and line != start and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = " " * len(start) + piece
+        else:
+            line = f"{line} {piece}" if line != start else start + piece
+    return [*lines, line]
+
+
+def duration_text(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict) -> dict:
+    """The facts of the decision, from the stages' summaries (the dataset report, the verification summary, the
+    smoke run, the preflight report)."""
+    modules = [
+        {**m, "shapes": ", ".join(shape_items(m["shapes"])), "shape_items": shape_items(m["shapes"])}
+        for m in smoke["modules"]
+    ]
+    trainable = sum(m["num_params"] for m in modules if m["trainable"])
+    frozen = sum(m["num_params"] for m in modules if not m["trainable"])
+    est = training_estimate(config, facts, smoke)
+    hours = "GPU-hours" if est["trains_on"] == "cuda" else "CPU process-hours"
+    if est["wall_s"] is not None:
+        estimate = (
+            f"about {duration_text(est['wall_s'])} wall, {est['device_hours']:.2f} {hours} "
+            f"({est['steps']:,} steps, {est['tokens']:,} tokens on {config.train.num_processes} "
+            f"process{'es' * (config.train.num_processes != 1)} at the smoke run's {est['tokens_per_s']:,.0f} "
+            "tokens/s each)"
+        )
+    elif est["tokens_per_s"]:
+        estimate = (
+            f"{est['steps']:,} steps, {est['tokens']:,} tokens; no wall-time figure: the smoke run measured "
+            f"{est['tokens_per_s']:,.0f} tokens/s on {est['measured_on']}, and training runs on {est['trains_on']}"
+        )
+    else:
+        estimate = f"{est['steps']:,} steps, {est['tokens']:,} tokens; the smoke run measured no speed"
+    shards = verified.get("shards")
+    data = f"{facts.num_samples:,} samples, {dataset.get('num_tokens', est['tokens']):,} tokens"
+    if "num_loss_tokens" in dataset:
+        data += f" ({dataset['num_loss_tokens']:,} trained on)"
+    if shards is not None:
+        data += f"; {verified['ok']} of {shards} shards verified ({verified['mode']})"
+    else:
+        data += f"; shards: verification {verified.get('mode', 'not run')}"
+    return {
+        "name": config.name,
+        "modules": modules,
+        "trainable_params": trainable,
+        "frozen_params": frozen,
+        "data": data,
+        "smoke": (
+            f"loss {smoke['first_loss']:.3f} -> {smoke['last_loss']:.3f} in {smoke['steps']} steps on "
+            f"{smoke.get('samples', '?')} samples: {'passed' if smoke['passed'] else 'FAILED'}"
+        ),
+        "devices": (
+            f"{devices['backend']}, {devices['num_processes']} "
+            f"process{'es' * (devices['num_processes'] != 1)}: {'passed' if devices['ok'] else 'FAILED'}"
+        ),
+        "estimate": estimate,
+        "command": torchrun_command(config, config.paths.train_dir / JOB_FILE),
+        "notes": dataset_notes(dataset),
+    }
+
+
+def _wrapped(label: str, text: str) -> list[str]:
+    return textwrap.wrap(
+        text, TERMINAL_WIDTH, initial_indent=f"{label:<10}", subsequent_indent=" " * 10, break_on_hyphens=False
+    )
+
+
+def terminal_text(r: dict) -> str:
+    """The decision for an 80-column terminal."""
+    rows = [
+        (m["module"], f"{m['num_params']:,}", "yes" if m["trainable"] else "FROZEN", m["shape_items"])
+        for m in r["modules"]
+    ]
+    width = max(len("module"), *(len(row[0]) for row in rows))
+    count = max(len("params"), *(len(row[1]) for row in rows))
+    lines = [f"Approve training of {r['name']}?", "", "Draft modules"]
+    head = f"  {'module':<{width}}  {'params':>{count}}  {'trains':<6}  "
+    lines.append(head + "shapes")
+    for name, n, trains, shapes in rows:
+        start = f"  {name:<{width}}  {n:>{count}}  {trains:<6}  "
+        lines += _lay_out(shapes, start, TERMINAL_WIDTH)
+    lines.append(f"  total: {r['trainable_params']:,} trainable, {r['frozen_params']:,} frozen")
+    lines.append("")
+    lines += _wrapped("Data", r["data"])
+    for note in r["notes"]:
+        lines += _wrapped("", note.replace("**", ""))
+    lines += _wrapped("Smoke", r["smoke"])
+    lines += _wrapped("Devices", r["devices"])
+    lines += _wrapped("Estimate", r["estimate"])
+    lines += ["Command", *("  " + line for line in wrap_command(r["command"], TERMINAL_WIDTH - 2))]
+    return "\n".join(lines)
+
+
+def dialog_markdown(r: dict) -> str:
+    """The decision for the Resume dialog: the few facts first, a three-column module table, the command
+    wrapped to the dialog's width."""
+    rows = [
+        [f"`{m['module']}`", f"{m['num_params']:,}", "yes" if m["trainable"] else "**frozen**"] for m in r["modules"]
+    ]
+    command = "\n".join(wrap_command(r["command"], DIALOG_COMMAND_WIDTH, split_words=True))
     lines = [
-        f"# Approve training of `{config.name}`",
+        f"### Approve training of `{r['name']}`",
+        f"- **trains** {r['trainable_params']:,} parameters, **frozen** {r['frozen_params']:,}",
+        f"- **cost** {r['estimate']}",
+        f"- **data** {r['data']}",
+        f"- **smoke run** {r['smoke']}",
+        f"- **devices** {r['devices']}",
+        *(f"- {note}" for note in r["notes"]),
+        table(["module", "params", "trains"], rows),
+        f"```\n{command}\n```",
+    ]
+    return "\n\n".join(lines)
+
+
+def full_markdown(r: dict, *, dataset: dict, verified: dict, devices: dict) -> str:
+    """Every table: the dataset report, the verification, the modules with shapes, the devices."""
+    lines = [
+        f"# Approval gate of `{r['name']}`: the complete summary",
         "## Dataset",
         dict_table([{k: v for k, v in dataset.items() if not isinstance(v, dict)}]),
-        *dataset_notes(dataset),
+        *r["notes"],
         "## Shard verification",
         dict_table([verified]),
         "## Draft modules",
-        dict_table(smoke["modules"]),
+        dict_table([{k: v for k, v in m.items() if k != "shape_items"} for m in r["modules"]]),
+        f"total: {r['trainable_params']:,} trainable, {r['frozen_params']:,} frozen",
         "## Smoke run",
-        f"loss {smoke['first_loss']} -> {smoke['last_loss']} in {smoke['steps']} steps ({smoke['seconds']} s): "
-        f"{'passed' if smoke['passed'] else 'FAILED'}",
+        r["smoke"],
         "## Device preflight",
-        f"backend {devices['backend']}, {devices['num_processes']} processes: "
-        f"{'passed' if devices['ok'] else 'FAILED'}",
+        r["devices"],
         dict_table(devices["devices"]),
         "## Estimate",
-        f"{planned_steps(facts.num_samples, config)} optimizer steps on {config.train.num_processes} processes; "
-        f"estimated GPU-hours: {gpu_hours_estimate(facts.num_samples, config):.2f}",
+        r["estimate"],
         "## Command",
-        f"```\n{format_command(torchrun_command(config, job_path))}\n```",
+        f"```\n{format_command(r['command'])}\n```",
     ]
     return "\n\n".join(lines)
+
+
+def gate_summary(
+    config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict
+) -> GateSummary:
+    """The three layouts of the decision; `dataset`, `verified`, `smoke` and `devices` are the stages'
+    summaries."""
+    r = review(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
+    return GateSummary(
+        terminal=terminal_text(r),
+        dialog=dialog_markdown(r),
+        full=full_markdown(r, dataset=dataset, verified=verified, devices=devices),
+    )

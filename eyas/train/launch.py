@@ -86,8 +86,54 @@ def planned_steps(num_samples: int, config: RunConfig) -> int:
     return total_steps(num_samples, config.train)
 
 
-def gpu_hours_estimate(num_samples: int, config: RunConfig) -> float:
-    return planned_steps(num_samples, config) * config.approval.gpu_hours_per_step * config.train.num_processes
+def wrap_command(cmd: list[str], width: int = 76, *, split_words: bool = False) -> list[str]:
+    """The command as shell lines of at most `width` characters, continued with a backslash; pasted whole, it
+    runs as `format_command(cmd)` does. An argument longer than a line gets a line of its own, or with
+    `split_words` (for a narrow box) is split after a `/` where it needs no quoting: a backslash-newline inside a
+    word joins its pieces again, so those continuation lines start at column 0."""
+    lines, line = [], ""
+    for word in (shlex.quote(c) for c in cmd):
+        if line and len(line) + 1 + len(word) + 2 > width:
+            lines.append(line + " \\")
+            line = "    "
+        else:
+            line = f"{line} " if line else ""
+        while split_words and len(line) + len(word) + 2 > width and word == shlex.quote(word) and "/" in word:
+            room = width - 1 - len(line)
+            cut = word.rfind("/", 0, room) + 1
+            if cut <= 0:
+                break
+            lines.append(line + word[:cut] + "\\")
+            line, word = "", word[cut:]
+        line += word
+    return [*lines, line]
+
+
+def training_estimate(config: RunConfig, facts: RunFacts, smoke: dict) -> dict:
+    """How long the training run will take, scaled from the smoke run's measured tokens/s (one process) to the
+    planned steps' tokens on `train.num_processes` processes (linear scaling assumed: an optimistic figure when
+    the processes wait on each other, a pessimistic one where warm-up dominated the smoke run's steps).
+
+    Returns steps, tokens, tokens_per_s, measured_on, and wall_s / device_hours (None when the smoke run
+    measured another kind of device than the one training uses: no figure beats a wrong one)."""
+    t = config.train
+    steps = planned_steps(facts.num_samples, config)
+    per_epoch = sum(min(n, config.draft.max_position_embeddings) for n in facts.sample_lengths())
+    used = steps * t.global_batch_size / facts.num_samples  # epochs' worth of samples the steps consume
+    tokens = round(per_epoch * used)
+    speed, measured_on = smoke.get("tokens_per_s"), smoke.get("device", "cpu")
+    trains_on = "cuda" if t.backend == "nccl" else "cpu"
+    comparable = bool(speed) and measured_on.split(":")[0] == trains_on
+    wall_s = tokens / (speed * t.num_processes) if comparable else None
+    return {
+        "steps": steps,
+        "tokens": tokens,
+        "tokens_per_s": speed,
+        "measured_on": measured_on,
+        "trains_on": trains_on,
+        "wall_s": wall_s,
+        "device_hours": wall_s * t.num_processes / 3600 if wall_s is not None else None,
+    }
 
 
 def describe_start(checkpoint: Path | None, config: RunConfig) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +50,8 @@ SMOKE_FILE = "smoke.json"
 @dataclass
 class SmokeResult:
     losses: list[float]
+    tokens_per_s: float  # real (unpadded) tokens of the batch over the median step time after the first
+    device: str  # where it ran (the estimate at the gate scales this speed)
     first: float  # mean loss of the first LOSS_WINDOW steps
     last: float  # mean loss of the last LOSS_WINDOW steps
     passed: bool
@@ -116,10 +119,12 @@ def smoke_train(job: TrainJob, smoke: SmokeConfig) -> SmokeResult:
     optimizer = make_optimizer(setup.draft, smoke.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     objective = TTTObjective(setup.draft, setup.head_rows, t.num_ttt_steps, t.ttt_decay, bf16=False)
-    losses = []
+    losses, step_s = [], []
     for _ in range(smoke.num_steps):
+        step_start = time.perf_counter()
         stats = train_step(objective, optimizer, scheduler, batch, t.max_grad_norm)
         losses.append(reduce_stats(stats, t.ttt_decay)["loss"])
+        step_s.append(time.perf_counter() - step_start)
     window = min(LOSS_WINDOW, smoke.num_steps // 2)
     first, last = _mean(losses[:window]), _mean(losses[-window:])
     trainer_state = {
@@ -143,6 +148,8 @@ def smoke_train(job: TrainJob, smoke: SmokeConfig) -> SmokeResult:
     )
     result = SmokeResult(
         losses=losses,
+        tokens_per_s=round(int(batch["valid"].sum()) / statistics.median(step_s[1:] or step_s), 1),
+        device="cpu",
         first=first,
         last=last,
         passed=last < (1 - smoke.min_loss_drop) * first,

@@ -40,22 +40,40 @@ def worker_environment(results_dir: Path) -> dict[str, str]:
     }
 
 
-def ensure_process_pool(name: str) -> bool:
-    """Create the process work pool `name` unless it exists; True when created."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
+def job_template() -> dict:
+    """Prefect's process job template with `stream_output` off by default: a flow run's stdout is then not a pipe to
+    the worker, so a worker that dies alone (an OOM kill, a restart) leaves its runs running, instead of killing
+    each at its next print with a broken pipe. Their output still reaches the run's logs (log_prints) and
+    the trainer's RUN/train/torchrun.log; a new worker is not needed for them to finish (they beat themselves)."""
     from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    template["variables"]["properties"]["stream_output"]["default"] = False
+    return template
+
+
+def ensure_process_pool(name: str) -> bool:
+    """Create the process work pool `name` unless it exists (eyas's job template); True when created. An existing
+    pool keeps its template, except that its default `stream_output` is turned off (see job_template)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
             pool = client.read_work_pool(name)
         except ObjectNotFound:
-            template = ProcessWorker.get_default_base_job_template()
-            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=job_template()))
             return True
-    if pool.type != "process":
-        raise ValueError(f"work pool {name!r} is of type {pool.type!r}, expected 'process'; use --pool for another one")
+        if pool.type != "process":
+            raise ValueError(
+                f"work pool {name!r} is of type {pool.type!r}, expected 'process'; use --pool for another one"
+            )
+        template = pool.base_job_template
+        stream = template.get("variables", {}).get("properties", {}).get("stream_output")
+        if stream is not None and stream.get("default") is not False:
+            stream["default"] = False
+            client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
     return False
 
 

@@ -16,6 +16,7 @@ from flows.export import export_flow
 from flows.extract import extract_flow
 from flows.train import train_flow
 from flows.verify import verify_flow
+from tasks.attempts import settle_earlier_attempts
 from tasks.facts import resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
 from tasks.train import preflight, smoke_run
@@ -24,6 +25,7 @@ from tasks.train import preflight, smoke_run
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: RunConfig) -> dict:
     """The whole run: dataset, extraction, verification, smoke run, approval gate, training, export, benchmark."""
+    settle_earlier_attempts()  # a retry: what the crashed attempt left Running is marked Crashed
     dataset = build_dataset_flow(config)
     facts = resolve_run_facts(config)
     extract_flow(config, facts)

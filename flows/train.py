@@ -7,6 +7,7 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
+from tasks.attempts import settle_earlier_attempts
 from tasks.facts import resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
 from tasks.status import stage_status_artifact
@@ -19,6 +20,7 @@ def train_flow(config: RunConfig, facts: RunFacts | None = None, require_approva
     first (smoke run, device preflight, the gate).
 
     `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
+    settle_earlier_attempts()  # a retry of this flow's own run (a subflow of a retried pipeline is a new run)
     facts = facts or resolve_run_facts(config)
     if require_approval:
         smoke = smoke_run(config, facts)

@@ -28,6 +28,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def removes_crash_automation(prefect_server):
+    """For a test whose `eyas` commands install the crash automation on the session's server: removed afterwards,
+    or its window would mark the later tests' runs Crashed (runs in this process do not beat every 30 s)."""
+    yield
+    from prefect.client.orchestration import get_client
+
+    from eyas_cli.automation import NAME
+
+    with get_client(sync_client=True) as client:
+        for automation in client.read_automations_by_name(NAME):
+            client.delete_automation(automation.id)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
     """The committed tiny target (scripts/build_tiny_target.py rebuilds it)."""

@@ -7,16 +7,9 @@ import pytest
 
 
 @pytest.fixture
-def installed(prefect_server):
+def installed(removes_crash_automation):
     """Remove the automation after the test (a short window would mark other tests' live runs Crashed)."""
     yield
-    from prefect.client.orchestration import get_client
-
-    from eyas_cli.automation import NAME
-
-    with get_client(sync_client=True) as client:
-        for automation in client.read_automations_by_name(NAME):
-            client.delete_automation(automation.id)
 
 
 def test_crash_detection_expects_suspended_runs_but_not_paused_ones(prefect_server):
@@ -49,10 +42,27 @@ def test_install_is_idempotent_and_updates_a_changed_window(prefect_server, inst
 
 
 def test_worker_setup_creates_its_process_pool_once(prefect_server):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
     from eyas_cli.worker import ensure_process_pool
+
+    def stream_default(name: str):
+        with get_client(sync_client=True) as client:
+            template = client.read_work_pool(name).base_job_template
+        return template["variables"]["properties"]["stream_output"]["default"]
 
     assert ensure_process_pool("setup-test") is True
     assert ensure_process_pool("setup-test") is False
+    assert stream_default("setup-test") is False  # a flow run's stdout is no pipe to the worker
+    # a pool made by hand (`prefect work-pool create --type process`) streams; eyas's set-up turns that off
+    with get_client(sync_client=True) as client:
+        template = ProcessWorker.get_default_base_job_template()
+        client.create_work_pool(WorkPoolCreate(name="by-hand", type="process", base_job_template=template))
+    assert stream_default("by-hand") is True
+    assert ensure_process_pool("by-hand") is False
+    assert stream_default("by-hand") is False
 
 
 def test_worker_environment_sets_heartbeats_and_durable_results(tmp_path):

@@ -292,6 +292,19 @@ def test_pipeline_run_retried_after_every_crash_completes(scenario):
     assert run.run_count == 3  # two retries after crashes (a resumed suspension is the same attempt)
 
 
+def test_nothing_a_crashed_attempt_left_stays_running(scenario):
+    """The killed attempts left task runs Running (launch-torchrun among them) and their subflows were marked
+    Crashed around them; each retry settles them (tasks.attempts): when the run is over, every task run and flow
+    run of every attempt is final, and the settled ones say which attempt replaced them."""
+    runs = all_runs(scenario)
+    stuck = [(run.name, t.name, t.state.name) for run in runs for t in task_runs(run.id) if not t.state.is_final()]
+    assert not stuck, stuck
+    assert all(run.state.is_final() for run in runs), [(r.name, r.state.name) for r in runs]
+    settled = [t for run in runs for t in task_runs(run.id) if "an earlier attempt" in (t.state.message or "")]
+    assert any(t.name.startswith("launch-torchrun") for t in settled), [t.name for t in settled]
+    assert all(t.state.name == "Crashed" for t in settled)
+
+
 def test_finished_stages_come_back_from_cache(scenario):
     assert task_states(scenario, "regenerate-and-tokenize") == ["Completed", "Cached", "Cached", "Cached"]
     assert task_states(scenario, "build-vocab-mapping") == ["Completed", "Cached", "Cached", "Cached"]

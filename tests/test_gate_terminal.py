@@ -54,7 +54,7 @@ def read_until(fd: int, needle: str, timeout_s: float, seen: list[str]) -> str:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1500)
-def test_eyas_demo_prints_the_decision_before_it_asks_and_n_rejects(prefect_server, tmp_path):
+def test_eyas_demo_prints_the_decision_before_it_asks_and_n_rejects(prefect_server, removes_crash_automation, tmp_path):
     workdir = tmp_path / "demo"
     controller, terminal = pty.openpty()
     env = {**os.environ, "COLUMNS": str(TERMINAL_WIDTH), "APPROVE": ""}

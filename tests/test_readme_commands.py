@@ -39,11 +39,13 @@ def test_every_operating_command_is_the_projects_own():
     # nowhere does the README tell a user to run bare `python -m eyas_cli...` or `prefect ...` (it may quote what
     # Prefect itself suggests)
     readme = (REPO / "README.md").read_text()
-    bare = re.findall(r"(?<!suggesting )`(?:python -m eyas_cli|prefect (?:deploy|worker|flow-run|work-pool))[^`]*`", readme)
+    bare = re.findall(
+        r"(?<!suggesting )`(?:python -m eyas_cli|prefect (?:deploy|worker|flow-run|work-pool))[^`]*`", readme
+    )
     assert not bare, bare
 
 
-def test_the_safe_operating_commands_run_as_written(prefect_server, tmp_path):
+def test_the_safe_operating_commands_run_as_written(prefect_server, removes_crash_automation, tmp_path):
     from prefect.client.orchestration import get_client
 
     env = {**os.environ, "EYAS_STATE_DIR": str(tmp_path / "state")}

@@ -24,17 +24,9 @@ def small_config(workdir: Path, tiny: Path):
 
 
 @pytest.fixture
-def window(prefect_server):
-    """The environment of the `eyas` commands; the automation they install is removed afterwards (its short
-    window would mark other tests' live runs Crashed)."""
-    yield {**os.environ, "PREFECT_API_URL": prefect_server, "EYAS_CRASH_WITHIN_S": str(WINDOW_S)}
-    from prefect.client.orchestration import get_client
-
-    from eyas_cli.automation import NAME
-
-    with get_client(sync_client=True) as client:
-        for automation in client.read_automations_by_name(NAME):
-            client.delete_automation(automation.id)
+def window(prefect_server, removes_crash_automation):
+    """The environment of the `eyas` commands; the automation they install is removed afterwards."""
+    return {**os.environ, "PREFECT_API_URL": prefect_server, "EYAS_CRASH_WITHIN_S": str(WINDOW_S)}
 
 
 def eyas(env, *args, timeout=300) -> subprocess.CompletedProcess:

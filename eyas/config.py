@@ -180,7 +180,22 @@ class ExtractConfig(StrictModel):
     backend: Literal["hf", "sglang"] = Field(default="hf", description="hidden-state backend")
     shard_bytes: int = Field(default=1 << 30, ge=1 << 16, description="target size of one shard file")
     batch_size: int = Field(default=8, ge=1, description="samples per forward pass")
-    dtype: DType = Field(default="float32", description="dtype of stored hidden states")
+    dtype: DType = Field(
+        default="float32",
+        description="dtype of the stored teacher values: the last hidden states (teacher last_hidden), or the "
+        "top-K log-probabilities (teacher topk: float16 or float32)",
+    )
+    aux_dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3"] = Field(
+        default="float32",
+        description="encoding of the stored aux hidden states; float8_e4m3 keeps one float32 scale per token and "
+        "aux layer (half of bfloat16's bytes); decoded by the trainer's reader as it reads",
+    )
+    teacher: Literal["last_hidden", "topk"] = Field(
+        default="last_hidden",
+        description="what the loss learns from: last_hidden = the final-norm states (H values a token); topk = the "
+        "target's teacher_topk most likely next tokens and their log-probabilities (6 or 8 bytes each)",
+    )
+    teacher_topk: int = Field(default=32, ge=1, le=1024, description="K of teacher topk (unused with last_hidden)")
     device: Literal["cpu", "cuda"] = Field(
         default="cpu", description="hf backend: cpu, or cuda (worker k uses GPU k modulo the GPUs present)"
     )
@@ -207,6 +222,11 @@ class ExtractConfig(StrictModel):
 
     @model_validator(mode="after")
     def _fanout_has_deployment(self) -> "ExtractConfig":
+        if self.teacher == "topk" and self.dtype == "bfloat16":
+            raise ValueError(
+                "extract.teacher='topk' stores log-probabilities as float16 or float32, extract.dtype is bfloat16 "
+                "(7 bits of mantissa: 0.4% error on a probability); set extract.dtype to float16"
+            )
         if self.fanout == "deployment" and not self.worker_deployment:
             raise ValueError(
                 "extract.fanout='deployment' needs extract.worker_deployment ('extract-worker/NAME'); "

@@ -241,25 +241,55 @@ def build_draft(arch: DraftArch, embed_weight: torch.Tensor, d2t: torch.Tensor, 
     return draft
 
 
-def ttt_loss(draft: Eagle3Draft, batch: dict, target_lm_head: torch.Tensor, num_steps: int, decay: float):
-    """Soft cross-entropy against the target's distribution over the draft vocab, per TTT step.
+def teacher_probs(batch: dict, target_lm_head: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token distribution over the draft vocab at every position, [B, L, Vd], and where it has
+    any mass [B, L].
 
-    batch: input_ids [B,L], loss_mask [B,L], aux_hidden [B,L,nH], last_hidden [B,L,H], valid [B,L].
+    Dense teacher (batch["last_hidden"] [B, L, H]): softmax of last_hidden @ target_lm_head.T (the lm_head rows of
+    the draft vocab). Top-K teacher (batch["topk_ids"], batch["topk_logprobs"] [B, L, K], log-probabilities over
+    the full target vocab): the entries whose ids are in the draft vocab (t2d), renormalized to sum to 1; the
+    mass outside the top K and outside the draft vocab is dropped, so when the top K holds all of the draft
+    vocab's mass this equals the dense teacher. A position none of whose K entries is in the draft vocab has no
+    mass and no loss.
+    """
+    if "topk_ids" not in batch:
+        logits = batch["last_hidden"].float() @ target_lm_head.float().T
+        return torch.softmax(logits, -1), torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+    ids, vocab = batch["topk_ids"].long(), t2d.numel()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"top-K teacher ids span {int(ids.min())}..{int(ids.max())}, expected 0..{vocab - 1} (the target's "
+            "vocab); the shards were extracted from another target: run eyas verify"
+        )
+    inside = t2d[ids]
+    draft_index = torch.where(inside, (torch.cumsum(t2d.long(), 0) - 1)[ids], 0)
+    p = torch.where(inside, batch["topk_logprobs"].float().exp(), 0.0)
+    dense = torch.zeros((*ids.shape[:-1], target_lm_head.shape[0]), device=p.device).scatter_add_(-1, draft_index, p)
+    mass = dense.sum(-1, keepdim=True)
+    return dense / mass.clamp_min(torch.finfo(torch.float32).tiny), mass.squeeze(-1) > 0
+
+
+def ttt_loss(draft: Eagle3Draft, batch: dict, target_lm_head: torch.Tensor, num_steps: int, decay: float):
+    """Soft cross-entropy against the target's distribution over the draft vocab (teacher_probs), per TTT step.
+
+    batch: input_ids [B,L], loss_mask [B,L], aux_hidden [B,L,nH], valid [B,L], and last_hidden [B,L,H] or
+    topk_ids + topk_logprobs [B,L,K].
     target_lm_head: the target's lm_head rows for the draft vocab [Vd, H].
     Returns (total loss, per-step losses, per-step top-1 accuracies, per-step token counts).
     """
     ids, mask, valid = batch["input_ids"], batch["loss_mask"].bool(), batch["valid"]
     with torch.no_grad():
-        target_logits = batch["last_hidden"].float() @ target_lm_head.float().T  # [B,L,Vd]
+        target_p, has_mass = teacher_probs(batch, target_lm_head, draft.t2d)  # [B,L,Vd], [B,L]
+    mask = mask & has_mass
     tlen = ids.shape[1] - 1
     total = torch.zeros((), device=ids.device)
     losses, accs, counts = [], [], []
     for k, logits in draft.unroll(ids, batch["aux_hidden"].float(), num_steps, valid):
         span = max(tlen - k, 0)
-        tgt = target_logits[:, k + 1 : k + 1 + span]
+        tgt = target_p[:, k + 1 : k + 1 + span]
         m = (mask[:, k + 1 : k + 1 + span] & valid[:, k + 1 : k + 1 + span]).float()
         lg = logits[:, :span].float()
-        ce = -(torch.softmax(tgt, -1) * torch.log_softmax(lg, -1)).sum(-1)
+        ce = -(tgt * torch.log_softmax(lg, -1)).sum(-1)
         n = m.sum().clamp(min=1.0)
         loss_k = (ce * m).sum() / n
         total = total + (decay**k) * loss_k

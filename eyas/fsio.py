@@ -158,7 +158,7 @@ def checked_safetensors_header(path: Path) -> dict:
 
 # torch dtype (by name: this module does not import torch) -> safetensors dtype
 SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.int64": "I64",
-                      "torch.int32": "I32", "torch.uint8": "U8", "torch.bool": "BOOL"}  # fmt: skip
+                      "torch.int32": "I32", "torch.uint8": "U8", "torch.bool": "BOOL", "torch.float8_e4m3fn": "F8_E4M3"}  # fmt: skip
 
 
 def serialize_safetensors(tensors: dict, metadata: dict[str, str]) -> bytearray:

@@ -40,8 +40,8 @@ def write_tokenized(path, samples, *, dataset_hash="d5e7", sample_index=None, ma
     return path
 
 
-def write_tiny_run(root: Path, *, num_samples: int = 32, per_shard: int = 10, seed: int = 0) -> dict:
-    return write_synthetic_run(root, num_samples=num_samples, per_shard=per_shard, seed=seed)
+def write_tiny_run(root: Path, *, num_samples: int = 32, per_shard: int = 10, seed: int = 0, **kw) -> dict:
+    return write_synthetic_run(root, num_samples=num_samples, per_shard=per_shard, seed=seed, **kw)
 
 
 def tiny_job(run: dict, output_dir: Path, **train) -> TrainJob:

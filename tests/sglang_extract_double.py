@@ -27,6 +27,11 @@ port it really listens on). What it imitates, each from the named SGLang functio
 - input_top_logprobs / output_top_logprobs: logprob_result_processor.py starts the input list with [None]
   and moves the last position's entry to the output; tokenizer_manager.py `detokenize_top_logprobs_tokens`
   makes each entry (logprob, token_id, None).
+- flat top logprobs (return_flat_raw_top_logprobs / return_flat_raw_output_top_logprobs, with
+  return_flat_raw_top_logprobs_b64): managers/io_struct.py `build_flat_top_logprobs_arrays` (leading null
+  rows counted into null_prefix, float32 values and int32 ids [rows, k]) and tokenizer_manager.py
+  `_build_flat_top_logprobs_fields_from_arrays` (`{side}_top_logprobs_val_flat_b64` / `_idx_flat_b64`, their
+  `_dtype` markers, `_shape` [rows, k], `_null_prefix`) in place of the nested lists of that side.
 
 Modes that misbehave (argument `mode`, or EYAS_SGLANG_EXTRACT_DOUBLE_MODE for the command line): ok;
 no_hook (never calls forward hooks, as a prefill replayed from a CUDA graph); drift_aux (the JSON hidden
@@ -36,6 +41,7 @@ last_hidden_states are pre-norm); old_version (reports version 0.5.22); http_500
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fnmatch
 import functools
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from http.server import ThreadingHTTPServer
 
+import numpy as np
 import torch
 
 from eyas.target import load_target, target_features
@@ -162,7 +169,34 @@ class HiddenStateModel:
                 rows = [[(v, int(i), None) for v, i in zip(vals.tolist(), idx.tolist())] for vals, idx in zip(*top)]
                 meta["input_top_logprobs"] = [None] + rows[:-1]
                 meta["output_top_logprobs"] = rows[-1:]
+                b64 = bool(body.get("return_flat_raw_top_logprobs_b64"))
+                for side, flag in (("input", "return_flat_raw_top_logprobs"),
+                                   ("output", "return_flat_raw_output_top_logprobs")):  # fmt: skip
+                    if body.get(flag):
+                        meta.update(flat_top_logprobs(side, meta.pop(f"{side}_top_logprobs"), k, b64))
         return {"text": str(generated[0]), "output_ids": generated, "meta_info": meta}
+
+
+def flat_top_logprobs(side: str, rows: list, k: int, b64: bool) -> dict:
+    """The flat fields of one side, as io_struct.py build_flat_top_logprobs_arrays and tokenizer_manager.py
+    _build_flat_top_logprobs_fields(_from_arrays) build them from the nested rows."""
+    null_prefix = 0
+    while null_prefix < len(rows) and not rows[null_prefix]:
+        null_prefix += 1
+    kept = rows[null_prefix:]
+    k = len(kept[0]) if kept else k
+    vals = np.asarray([[e[0] for e in r] for r in kept], dtype=np.float32).reshape(len(kept), k)
+    ids = np.asarray([[e[1] for e in r] for r in kept], dtype=np.int32).reshape(len(kept), k)
+    fields = {f"{side}_top_logprobs_shape": [len(kept), k], f"{side}_top_logprobs_null_prefix": null_prefix}
+    if b64:
+        fields[f"{side}_top_logprobs_val_flat_b64"] = base64.b64encode(vals.tobytes()).decode()
+        fields[f"{side}_top_logprobs_idx_flat_b64"] = base64.b64encode(ids.tobytes()).decode()
+        fields[f"{side}_top_logprobs_val_flat_b64_dtype"] = "float32"
+        fields[f"{side}_top_logprobs_idx_flat_b64_dtype"] = "int32"
+    else:  # the nested rows' own (float64) numbers, flattened
+        fields[f"{side}_top_logprobs_val_flat"] = [e[0] for r in kept for e in r]
+        fields[f"{side}_top_logprobs_idx_flat"] = [e[1] for r in kept for e in r]
+    return fields
 
 
 def make_handler(info: dict, mode: str, model: HiddenStateModel):

@@ -31,6 +31,7 @@ from eyas.extract.backends.sglang import (
     aux_capture_flags,
     build_extract_command,
     read_capture,
+    topk_from_answer,
 )
 from tests.sglang_extract_double import serve_extract_double
 
@@ -79,6 +80,35 @@ def test_features_equal_the_hf_backends_and_the_files_are_removed(random_target_
         backend.close()
     assert_equal_to_hf(feats, random_target_dir)
     assert list(capture_dir.iterdir()) == []
+
+
+def test_a_topk_teacher_comes_from_the_same_request_and_equals_the_hf_backends(
+    random_target_dir, capture_dir, sglang_kit
+):
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir)) as url:
+        config = SGLangExtractConfig(server_url=url)
+        backend = SGLangBackend(config, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
+                                teacher_topk=4)  # fmt: skip
+        feats = backend.features(SAMPLES)
+        meta = backend._generate(SAMPLES[0].tolist(), "eyas-flat-probe")["meta_info"]
+        backend.close()
+    assert meta["input_top_logprobs_shape"] == [len(SAMPLES[0]) - 1, 4] and "input_top_logprobs" not in meta
+    hf = HFBackend(str(random_target_dir), target_dtype="float32", aux_layer_ids=AUX, hidden_size=H, device="cpu",
+                   teacher_topk=4)  # fmt: skip
+    for (aux, top), (hf_aux, hf_top), sample in zip(feats, hf.features(SAMPLES), SAMPLES, strict=True):
+        assert top.ids.shape == top.logprobs.shape == (len(sample), 4) and top.ids.dtype == torch.int32
+        assert torch.equal(top.ids, hf_top.ids)
+        torch.testing.assert_close(top.logprobs, hf_top.logprobs, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(aux, hf_aux, atol=1e-5, rtol=1e-4)
+
+
+def test_a_topk_answer_in_nested_lists_is_read_and_one_short_of_k_entries_is_refused():
+    # SGLang answers nested lists when it cannot build the flat form (tokenizer_manager.py "Falling back")
+    nested = {"input_top_logprobs": [None, [(-0.1, 3, None)]], "output_top_logprobs": [[(-0.2, 4, None)]]}
+    assert topk_from_answer({"meta_info": nested}, 2, 1, "s").ids.tolist() == [[3], [4]]
+    with pytest.raises(SglangServerError, match=r"s: the answer's input top logprobs are missing or short of 2 "
+                       r"entries a position"):  # fmt: skip
+        topk_from_answer({"meta_info": nested}, 2, 2, "s")
 
 
 def test_launch_command_has_exactly_the_aux_capture_flags(random_target_dir):

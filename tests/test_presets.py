@@ -8,7 +8,7 @@ import pytest
 
 from eyas.config import RunConfig, load_run_config
 from eyas.layer_ids import default_aux_layer_ids
-from eyas.shards.format import bytes_per_token
+from eyas.shards.encoding import extract_encoding
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "deployments").glob("*.json"))
@@ -52,7 +52,7 @@ def test_training_runs_8_nccl_processes_in_bf16(name):
     config = preset(name)
     assert (config.train.num_processes, config.train.backend) == (8, "nccl")
     assert config.train.mixed_precision == "bf16"
-    assert config.target.dtype == config.extract.dtype == config.export.dtype == "bfloat16"
+    assert config.target.dtype == config.extract.dtype == config.extract.aux_dtype == config.export.dtype == "bfloat16"
     assert config.extract.shard_bytes == ONE_GIB
 
 
@@ -79,7 +79,7 @@ def test_a_whole_sample_fits_the_draft_positions_and_one_shard(path):
     assert config.draft.max_position_embeddings >= config.dataset.max_length
     assert config.dataset.max_new_tokens < config.dataset.max_length
     num_aux = len(config.target.aux_layer_ids or [0, 0, 0])
-    per_token = bytes_per_token(hidden_size=hidden_size(config), num_aux=num_aux, dtype=config.extract.dtype)
+    per_token = extract_encoding(config.extract).bytes_per_token(hidden_size=hidden_size(config), num_aux=num_aux)
     assert config.dataset.max_length * per_token <= config.extract.shard_bytes
     assert config.train.global_batch_size % config.train.num_processes == 0
 

@@ -52,10 +52,10 @@ def write_dataset(config, samples: list[dict]) -> None:
 
 def write_extract_meta(config, num_shards: int, **changed) -> None:
     meta = {
-        "format_version": "1", "target_fingerprint": "synthetic", "aux_layer_ids": [1, 2, 3],
+        "format_version": "2", "target_fingerprint": "synthetic", "aux_layer_ids": [1, 2, 3],
         "layer_id_convention": "hf_hidden_states", "hidden_size": 32, "num_aux": 3, "dtype": "float32",
         "target_dtype": "float32", "backend": "hf", "dataset_hash": CONTENT_HASH, "shard_bytes": 4194304,
-        "num_shards": num_shards, **changed,
+        "num_shards": num_shards, "aux_dtype": "float32", "teacher": "last_hidden", "teacher_topk": 0, **changed,
     }  # fmt: skip
     (config.paths.shards_dir / "extract.json").write_text(json.dumps(meta))
 

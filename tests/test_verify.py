@@ -84,6 +84,7 @@ def test_good_shards_pass_both_modes(shards, extracted):
         "offsets",
         "checksum",
         "finite",
+        "encoding",
         "dataset",
     ]
     raise_if_bad(report)
@@ -146,7 +147,7 @@ def test_wrong_dtype_is_flagged(shards, extracted):
     _rewrite(shards, 0, half)
     reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
     assert reason == (
-        "shard-00000.safetensors: aux_hidden_states dtype F16, expected F32 (metadata dtype float32); "
+        "shard-00000.safetensors: aux_hidden_states dtype F16, expected F32 (encoding float32/last_hidden, dtype float32); "
         "quarantine the shard (eyas.shards.shard_set.quarantine_shards) and re-run extraction"
     )
 

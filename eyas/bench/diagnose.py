@@ -75,9 +75,10 @@ def _shard_widths(shards_dir: Path, draft_hidden: int | None) -> tuple[Check, Sh
         meta, layout = read_shard_layout(first)
     except (OSError, ValueError) as err:  # unreadable or foreign: the check says so, the report goes on
         return Check("shard_widths", False, f"{first.name}: {err}"), None
-    aux_w, last_w = layout["aux_hidden_states"][1][-1], layout["last_hidden_states"][1][-1]
-    h, n = meta.hidden_size, meta.num_aux
+    aux_w, h, n = layout["aux_hidden_states"][1][-1], meta.hidden_size, meta.num_aux
     expected_h = draft_hidden or h
+    # a top-K teacher has no H-wide tensor: its check is the aux width alone
+    last_w = layout["last_hidden_states"][1][-1] if "last_hidden_states" in layout else expected_h
     if aux_w != n * expected_h or last_w != expected_h:
         cause = " (H wide: the target sent no aux states, the draft bypasses fc)" if aux_w == expected_h else ""
         detail = (
@@ -85,7 +86,8 @@ def _shard_widths(shards_dir: Path, draft_hidden: int | None) -> tuple[Check, Sh
             f"{n * expected_h} ({n} layers x {expected_h}) and {expected_h}{cause}; re-extract with aux capture"
         )
         return Check("shard_widths", False, detail), meta
-    return Check("shard_widths", True, f"{first.name}: aux {aux_w} = {n} x {h}, last {last_w}"), meta
+    teacher = f"last {last_w}" if meta.teacher == "last_hidden" else f"teacher top-{meta.teacher_topk}"
+    return Check("shard_widths", True, f"{first.name}: aux {aux_w} = {n} x {h}, {teacher}"), meta
 
 
 def _export_tensors(export_dir: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:

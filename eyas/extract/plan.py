@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from eyas.config import ExtractConfig
 from eyas.facts import RunFacts
 from eyas.layer_ids import LAYER_ID_CONVENTION
-from eyas.shards.format import FORMAT_VERSION, ShardPlan, bytes_per_token, plan_shards, shard_filename
+from eyas.shards.encoding import extract_encoding
+from eyas.shards.format import FORMAT_VERSION, ShardPlan, plan_shards, shard_filename
 from eyas.shards.manifest import compact_manifest, read_manifest
 from eyas.shards.shard_set import ExtractConfigMismatchError, ExtractRunMeta, check_run_meta, quarantine_shards
 from eyas.storage import Storage
@@ -27,7 +28,8 @@ def describe_extraction(
     cfg: ExtractConfig, facts: RunFacts, *, target_dtype: str = "float32"
 ) -> tuple[ExtractRunMeta, list[ShardPlan]]:
     """The run's parameters (what `extract.json` records) and its shard plan, without loading the target."""
-    bpt = bytes_per_token(hidden_size=facts.hidden_size, num_aux=facts.num_aux, dtype=cfg.dtype)
+    enc = extract_encoding(cfg)
+    bpt = enc.bytes_per_token(hidden_size=facts.hidden_size, num_aux=facts.num_aux)
     plan = plan_shards(facts.sample_lengths(), bpt, cfg.shard_bytes)
     run = ExtractRunMeta(
         format_version=FORMAT_VERSION,
@@ -42,6 +44,9 @@ def describe_extraction(
         dataset_hash=facts.dataset_hash,
         shard_bytes=cfg.shard_bytes,
         num_shards=len(plan),
+        aux_dtype=enc.aux_dtype,
+        teacher=enc.teacher,
+        teacher_topk=enc.teacher_topk,
     )
     return run, plan
 

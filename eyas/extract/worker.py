@@ -24,11 +24,11 @@ from eyas.extract.backends import open_backend
 from eyas.extract.backends.base import HiddenStateBackend, check_feature_widths
 from eyas.extract.plan import describe_extraction
 from eyas.facts import RunFacts
+from eyas.shards.encoding import empty_features, encode_aux, encode_teacher, extract_encoding
 from eyas.shards.format import ShardMeta, ShardPlan, write_shard
 from eyas.shards.manifest import done_shard_indices, record_row
 from eyas.shards.shard_set import check_run_meta
 from eyas.storage import Storage
-from eyas.target import torch_dtype
 
 
 @dataclass
@@ -67,27 +67,27 @@ def extract_shard_tensors(
     input_ids, loss_mask = dataset.tokens(plan.sample_start, plan.sample_end)
     lengths = dataset.num_tokens[plan.sample_start : plan.sample_end]
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64).cumsum(0)])
-    dtype = torch_dtype(extract_cfg.dtype)
-    aux_out = torch.empty(plan.num_tokens, len(aux_layer_ids) * hidden_size, dtype=dtype)
-    last_out = torch.empty(plan.num_tokens, hidden_size, dtype=dtype)
+    enc, num_aux = extract_encoding(extract_cfg), len(aux_layer_ids)
+    features = empty_features(enc, plan.num_tokens, num_aux=num_aux, hidden_size=hidden_size)
     for b in range(0, len(lengths), extract_cfg.batch_size):
         idx = range(b, min(b + extract_cfg.batch_size, len(lengths)))
         feats = backend.features([input_ids[offsets[i] : offsets[i + 1]] for i in idx])
         check_feature_widths(
             feats,
             [lengths[i] for i in idx],
-            num_aux=len(aux_layer_ids),
+            num_aux=num_aux,
             hidden_size=hidden_size,
             source=f"{backend.name} backend, shard {plan.index:05d} from sample {plan.sample_start + b}",
+            teacher_topk=enc.teacher_topk,
         )
-        for i, (aux, last) in zip(idx, feats):
-            aux_out[offsets[i] : offsets[i + 1]] = aux.to(dtype)
-            last_out[offsets[i] : offsets[i + 1]] = last.to(dtype)
+        for i, (aux, teacher) in zip(idx, feats):
+            stored = {**encode_aux(aux, enc, num_aux=num_aux), **encode_teacher(teacher, enc)}
+            for name, values in stored.items():
+                features[name][offsets[i] : offsets[i + 1]] = values
     return {
         "input_ids": input_ids,
         "loss_mask": loss_mask,
-        "aux_hidden_states": aux_out,
-        "last_hidden_states": last_out,
+        **features,
         "sample_offsets": offsets,
         "sample_indices": torch.arange(plan.sample_start, plan.sample_end, dtype=torch.int64),
     }

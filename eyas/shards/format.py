@@ -1,8 +1,9 @@
 """Hidden-state shard files: the plan (which samples go into which shard), the file format, writing and reading.
 
 A shard is `shard-{index:05d}.safetensors` holding a run of whole samples packed along the token
-axis (`input_ids` int64 [T], `loss_mask` uint8 [T], `aux_hidden_states` [T, n_aux*H],
-`last_hidden_states` [T, H], `sample_offsets` int64 [n+1], `sample_indices` int64 [n]) with
+axis (`input_ids` int64 [T], `loss_mask` uint8 [T], `sample_offsets` int64 [n+1], `sample_indices`
+int64 [n], and the feature tensors of its encoding, eyas.shards.encoding: `aux_hidden_states`
+[T, n_aux*H] (+ `aux_scales` with float8), and `last_hidden_states` [T, H] or the top-K teacher) with
 string `__metadata__` (see `ShardMeta`). Which samples go into which shard (`plan_shards`) depends
 only on the sample order and the shard size, never on the number of workers.
 
@@ -26,37 +27,25 @@ import torch
 
 from eyas.checksum import checksum_bytes
 from eyas.fsio import serialize_safetensors
+from eyas.shards.encoding import TOKEN_OVERHEAD_BYTES, ShardEncoding  # noqa: F401 (TOKEN_OVERHEAD_BYTES re-exported)
 from eyas.shards.manifest import ManifestRow
 from eyas.storage import Storage, as_storage
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 SHARD_NAME_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
-# Per-token bytes besides the hidden states: input_ids (int64) + loss_mask (uint8).
-TOKEN_OVERHEAD_BYTES = 9
-SHARD_TENSOR_NAMES = (
-    "input_ids",
-    "loss_mask",
-    "aux_hidden_states",
-    "last_hidden_states",
-    "sample_offsets",
-    "sample_indices",
-)
+# The tensors every shard holds besides its encoding's feature tensors.
+BASE_TENSOR_NAMES = ("input_ids", "loss_mask", "sample_offsets", "sample_indices")
 
 
 def shard_filename(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def dtype_itemsize(dtype: str) -> int:
-    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    if dtype not in sizes:
-        raise ValueError(f"hidden-state dtype {dtype!r}: expected one of {sorted(sizes)}")
-    return sizes[dtype]
-
-
 def bytes_per_token(*, hidden_size: int, num_aux: int, dtype: str) -> int:
-    """Shard bytes per token: (n_aux + 1) * H hidden values plus TOKEN_OVERHEAD_BYTES for ids and mask."""
-    return (num_aux + 1) * hidden_size * dtype_itemsize(dtype) + TOKEN_OVERHEAD_BYTES
+    """Shard bytes per token with every hidden state in `dtype` and the last_hidden teacher: (n_aux + 1) * H
+    values plus TOKEN_OVERHEAD_BYTES (other encodings: eyas.shards.encoding.ShardEncoding.bytes_per_token)."""
+    enc = ShardEncoding(aux_dtype=dtype, teacher="last_hidden", teacher_topk=0, dtype=dtype)
+    return enc.bytes_per_token(hidden_size=hidden_size, num_aux=num_aux)
 
 
 @dataclass(frozen=True)
@@ -88,7 +77,8 @@ def plan_shards(num_tokens_per_sample: Sequence[int], bytes_per_token: int, shar
 
 @dataclass(frozen=True)
 class ShardMeta:
-    """The `__metadata__` of a shard (stored as strings; `aux_layer_ids` as a JSON list)."""
+    """The `__metadata__` of a shard (stored as strings; `aux_layer_ids` as a JSON list). `dtype` is the teacher
+    values' dtype; `aux_dtype`, `teacher` and `teacher_topk` complete the encoding (eyas.shards.encoding)."""
 
     target_fingerprint: str
     aux_layer_ids: tuple[int, ...]
@@ -101,7 +91,22 @@ class ShardMeta:
     shard_index: int
     sample_start: int
     sample_end: int
+    aux_dtype: str = ""  # empty: the same as dtype
+    teacher: str = "last_hidden"
+    teacher_topk: int = 0
     format_version: str = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_dtype", self.aux_dtype or self.dtype)
+
+    @property
+    def encoding(self) -> ShardEncoding:
+        return ShardEncoding(self.aux_dtype, self.teacher, self.teacher_topk, self.dtype)
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor a shard with this metadata holds, sorted."""
+        features = self.encoding.feature_layout(0, num_aux=self.num_aux, hidden_size=self.hidden_size)
+        return sorted([*BASE_TENSOR_NAMES, *features])
 
     def to_metadata(self) -> dict[str, str]:
         out = {k: str(v) for k, v in asdict(self).items()}
@@ -122,11 +127,13 @@ class ShardMeta:
             ids = json.loads(metadata["aux_layer_ids"])
             values = {n: metadata[n] for n in names}
             values["aux_layer_ids"] = tuple(int(i) for i in ids)
-            for n in ("hidden_size", "num_aux", "shard_index", "sample_start", "sample_end"):
+            for n in ("hidden_size", "num_aux", "shard_index", "sample_start", "sample_end", "teacher_topk"):
                 values[n] = int(values[n])
+            meta = cls(**values)
+            meta.encoding  # noqa: B018 (raises ValueError naming a malformed encoding)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: __metadata__ has a malformed value ({e}); re-extract the shard") from e
-        return cls(**values)
+        return meta
 
 
 def serialize_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
@@ -136,10 +143,8 @@ def serialize_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
 
 def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor], meta: ShardMeta) -> ManifestRow:
     """Write one shard durably and return its manifest row (the caller records it: eyas.shards.manifest)."""
-    if sorted(tensors) != sorted(SHARD_TENSOR_NAMES):
-        raise ValueError(
-            f"shard {meta.shard_index:05d}: tensors {sorted(tensors)}, expected {sorted(SHARD_TENSOR_NAMES)}"
-        )
+    if sorted(tensors) != meta.tensor_names():
+        raise ValueError(f"shard {meta.shard_index:05d}: tensors {sorted(tensors)}, expected {meta.tensor_names()}")
     data = serialize_shard(tensors, meta.to_metadata())
     name = shard_filename(meta.shard_index)
     as_storage(where).put_bytes(name, data)

@@ -2,6 +2,7 @@
 
     samples = ShardSamples("run/shards")          # every row of manifest.parquet, checked
     sample = samples.load_sample(17)              # input_ids [T], loss_mask [T], aux_hidden [T, nH], last_hidden [T, H]
+                                                  # (teacher topk: topk_ids, topk_logprobs [T, K] for last_hidden)
 
 A sample is addressed by its global index (the dataset order extraction used). The manifest is read
 through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an overlap; every shard's
@@ -9,7 +10,8 @@ through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an o
 must agree with its manifest row and with the first shard's run-wide fields; its size must be the
 manifest's `num_bytes`, and with `verify_reads` its XXH3 checksum the manifest's `checksum` (one read of the
 file, on first open), so a shard damaged after verification is refused, named, before a step trains on it.
-A sample is read as memory-mapped slices, never a whole shard.
+A sample is read as memory-mapped slices, never a whole shard; float8 aux states are decoded (times their
+scales, eyas.shards.encoding.decode_aux) as they are read, into float32.
 """
 
 from __future__ import annotations
@@ -21,16 +23,10 @@ import torch
 from safetensors import safe_open
 
 from eyas.checksum import checksum_file, short
-from eyas.shards.format import ShardMeta
+from eyas.shards.encoding import TEACHER_KEYS, decode_aux
+from eyas.shards.format import BASE_TENSOR_NAMES, ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
 
-# Shard tensor name -> batch key (the names `eyas.draft.ttt_loss` reads).
-SAMPLE_TENSORS = {
-    "input_ids": "input_ids",
-    "loss_mask": "loss_mask",
-    "aux_hidden_states": "aux_hidden",
-    "last_hidden_states": "last_hidden",
-}
 # ShardMeta fields every shard of one extraction run shares.
 RUN_FIELDS = (
     "target_fingerprint",
@@ -41,6 +37,9 @@ RUN_FIELDS = (
     "dtype",
     "backend",
     "dataset_hash",
+    "aux_dtype",
+    "teacher",
+    "teacher_topk",
     "format_version",
 )
 
@@ -84,6 +83,7 @@ class ShardSamples:
         with safe_open(self._path(0), framework="pt") as f:
             self.meta = self._parse(0, f)
         self._checked = {0}
+        self._feature_names = [n for n in self.meta.tensor_names() if n not in BASE_TENSOR_NAMES]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -159,7 +159,8 @@ class ShardSamples:
         return self._offsets[shard]
 
     def load_sample(self, index: int) -> dict[str, torch.Tensor | int]:
-        """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH], last_hidden [T, H]."""
+        """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH] (decoded), and the teacher:
+        last_hidden [T, H], or topk_ids and topk_logprobs [T, K]."""
         shard, local = self.locate(index)
         if shard not in self._checked:  # before safe_open: a truncated file is named, not a parse error
             self._check_file(shard)
@@ -173,6 +174,9 @@ class ShardSamples:
                     f"{index} from the manifest; the shard and manifest disagree; run eyas verify"
                 )
             a, b = int(offsets[local]), int(offsets[local + 1])
-            sample: dict = {key: f.get_slice(name)[a:b] for name, key in SAMPLE_TENSORS.items()}
+            stored = {name: f.get_slice(name)[a:b] for name in self._feature_names}
+            sample: dict = {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")}
+        sample["aux_hidden"] = decode_aux(stored, self.meta.encoding, num_aux=self.meta.num_aux)
+        sample.update({key: stored[name] for name, key in TEACHER_KEYS.items() if name in stored})
         sample["sample_index"] = index
         return sample

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Mapping
 
 from eyas.fsio import TMP_MARKER, atomic_write_bytes, fsync_path
+from eyas.shards.encoding import ShardEncoding
 from eyas.shards.format import ShardMeta, ShardPlan
 from eyas.shards.manifest import ManifestRow, drop_manifest_rows, read_manifest
 from eyas.storage import Storage, as_storage
@@ -50,6 +51,13 @@ class ExtractRunMeta:
     dataset_hash: str
     shard_bytes: int
     num_shards: int
+    aux_dtype: str
+    teacher: str
+    teacher_topk: int
+
+    @property
+    def encoding(self) -> ShardEncoding:
+        return ShardEncoding(self.aux_dtype, self.teacher, self.teacher_topk, self.dtype)
 
     def shard_meta(self, plan: ShardPlan) -> ShardMeta:
         return ShardMeta(
@@ -64,6 +72,9 @@ class ExtractRunMeta:
             shard_index=plan.index,
             sample_start=plan.sample_start,
             sample_end=plan.sample_end,
+            aux_dtype=self.aux_dtype,
+            teacher=self.teacher,
+            teacher_topk=self.teacher_topk,
         )
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from eyas.dataset.vocab import save_vocab
 from eyas.layer_ids import LAYER_ID_CONVENTION
+from eyas.shards.encoding import ShardEncoding, encode_aux, encode_teacher, topk_teacher
 from eyas.shards.format import ShardMeta, write_shard
 from eyas.shards.manifest import write_manifest
 from eyas.target import target_fingerprint
@@ -88,11 +89,29 @@ def make_samples(num_samples: int, lm_head: torch.Tensor, spec: SyntheticSpec, g
     return samples
 
 
-def write_shards(shards_dir: Path, samples: list[dict], per_shard: int, fingerprint: str, spec: SyntheticSpec) -> None:
+def encode_sample(sample: dict, enc: ShardEncoding, lm_head: torch.Tensor, num_aux: int) -> dict:
+    """A float32/last_hidden sample in the stored form of another encoding (the top-K from lm_head)."""
+    last = sample["last_hidden_states"]
+    teacher = topk_teacher(last, lm_head, enc.teacher_topk) if enc.teacher == "topk" else last
+    features = {**encode_aux(sample["aux_hidden_states"], enc, num_aux=num_aux), **encode_teacher(teacher, enc)}
+    return {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"], **features}
+
+
+def write_shards(
+    shards_dir: Path,
+    samples: list[dict],
+    per_shard: int,
+    fingerprint: str,
+    spec: SyntheticSpec,
+    encoding: ShardEncoding = ShardEncoding(),
+    lm_head: torch.Tensor | None = None,
+) -> None:
     """Shards and manifest.parquet, written as extraction writes them (eyas.shards.format.write_shard, real
-    checksums), for a dataset named `synthetic`."""
+    checksums), for a dataset named `synthetic`; in `encoding` (a top-K teacher needs the target's lm_head)."""
     shards_dir.mkdir(parents=True)
     rows = []
+    if encoding != ShardEncoding():
+        samples = [encode_sample(s, encoding, lm_head, spec.num_aux) for s in samples]
     for index, start in enumerate(range(0, len(samples), per_shard)):
         chunk = samples[start : start + per_shard]
         lengths = torch.tensor([s["input_ids"].numel() for s in chunk])
@@ -105,26 +124,36 @@ def write_shards(shards_dir: Path, samples: list[dict], per_shard: int, fingerpr
             layer_id_convention=LAYER_ID_CONVENTION,
             hidden_size=spec.hidden,
             num_aux=spec.num_aux,
-            dtype="float32",
+            dtype=encoding.dtype,
             backend="synthetic",
             dataset_hash=SYNTHETIC_DATASET_HASH,
             shard_index=index,
             sample_start=start,
             sample_end=start + len(chunk),
+            aux_dtype=encoding.aux_dtype,
+            teacher=encoding.teacher,
+            teacher_topk=encoding.teacher_topk,
         )
         rows.append(write_shard(shards_dir, tensors, meta))
     write_manifest(shards_dir, rows)
 
 
 def write_synthetic_run(
-    root: Path, *, num_samples: int = 32, per_shard: int = 10, seed: int = 0, spec: SyntheticSpec = SyntheticSpec()
+    root: Path,
+    *,
+    num_samples: int = 32,
+    per_shard: int = 10,
+    seed: int = 0,
+    spec: SyntheticSpec = SyntheticSpec(),
+    encoding: ShardEncoding = ShardEncoding(),
 ) -> dict:
-    """A target stub, vocab and shards under root; returns their paths and the samples written."""
+    """A target stub, vocab and shards (in `encoding`) under root; returns their paths and the samples (float32,
+    last_hidden) written."""
     gen = torch.Generator().manual_seed(seed)
     _, lm_head = write_target_stub(root / "target", spec, gen)
     write_vocab(root / "vocab.safetensors", spec)
     samples = make_samples(num_samples, lm_head, spec, gen)
-    write_shards(root / "shards", samples, per_shard, target_fingerprint(root / "target"), spec)
+    write_shards(root / "shards", samples, per_shard, target_fingerprint(root / "target"), spec, encoding, lm_head)
     return {
         "target": root / "target",
         "vocab": root / "vocab.safetensors",

@@ -22,6 +22,7 @@ from eyas.gate.approval import (
     read_approval_record,
     read_rejection_record,
 )
+from eyas.shards.encoding import extract_encoding
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
 from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, train_state
@@ -94,7 +95,8 @@ def probe_extract(ctx: Context) -> tuple[str, str, str]:
         "running_here": state.running_here,
     }
     detail = (
-        f"{len(rows):,} of {planned:,} shards ({ctx.progress['shards']['tokens_done']:,} tokens, {state.run.dtype})"
+        f"{len(rows):,} of {planned:,} shards ({ctx.progress['shards']['tokens_done']:,} tokens, "
+        f"{state.run.encoding.label()})"
     )
     if ctx.config is not None and ctx.config.extract.storage_url:
         detail += f"; written to {ctx.config.extract.storage_url}, counted here from the local copy"
@@ -111,7 +113,9 @@ def extract_mismatch(ctx: Context, run: ExtractRunMeta) -> str:
     wanted = {}
     if ctx.config is not None:
         e = ctx.config.extract
-        wanted = {"dtype": e.dtype, "shard_bytes": e.shard_bytes, "backend": e.backend}
+        enc = extract_encoding(e)
+        wanted = {"dtype": e.dtype, "shard_bytes": e.shard_bytes, "backend": e.backend, "aux_dtype": enc.aux_dtype,
+                  "teacher": enc.teacher, "teacher_topk": enc.teacher_topk}  # fmt: skip
         wanted["target_dtype"] = ctx.config.target.dtype
         if ctx.config.target.aux_layer_ids is not None:
             wanted["aux_layer_ids"] = ctx.config.target.aux_layer_ids

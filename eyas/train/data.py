@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from eyas.config import TrainConfig
-from eyas.shards.reader import SAMPLE_TENSORS, ShardDataError
+from eyas.shards.reader import ShardDataError
 
 
 @lru_cache(maxsize=4)
@@ -68,7 +68,7 @@ def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str,
     lengths = [min(int(s["input_ids"].shape[0]), max_len) for s in samples]
     width = max(*lengths, min_len)
     batch = {}
-    for key in SAMPLE_TENSORS.values():
+    for key in [k for k, v in samples[0].items() if isinstance(v, torch.Tensor)]:
         first = samples[0][key]
         out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype)
         for row, (s, n) in enumerate(zip(samples, lengths)):

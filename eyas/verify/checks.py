@@ -3,7 +3,9 @@
 Headers are parsed here (8-byte little-endian length, JSON), not through `safe_open`, so cheap mode
 costs one open, two small reads and a few small `pread`s per shard. Full mode reads every byte once,
 in chunks of `chunk_bytes` into a buffer reused by the thread: each chunk feeds the checksum and, inside
-the hidden-state tensors, an exact finiteness test on the exponent bits (float32, bfloat16, float16).
+the float tensors (hidden states, float8 scales, top-K log-probabilities), an exact finiteness test on the
+exponent bits (float32, bfloat16, float16; float8 e4m3fn, which has NaN and no inf). The encoding's own
+values are checked after: float8 scales positive, top-K ids non-negative, log-probabilities <= 0.
 A chunk that fits the core's cache (the default 512 KiB) is read from memory once, by the copy out of
 the page cache; the hash and the finiteness test then find it in cache.
 Memory per shard in flight is one chunk, whatever the shard's size.
@@ -23,19 +25,20 @@ import numpy as np
 from eyas.checksum import format_digest, new_hasher, short
 from eyas.dataset.table import TokenizedDataset
 from eyas.layer_ids import LAYER_ID_CONVENTION
-from eyas.shards.format import FORMAT_VERSION, SHARD_TENSOR_NAMES, ShardMeta, shard_filename
+from eyas.shards.format import FORMAT_VERSION, ShardMeta, shard_filename
 from eyas.shards.manifest import ManifestRow
 
-ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1}  # fmt: skip
 # Unsigned and signed views, mask dropping the sign, smallest pattern with an all-ones exponent (inf;
 # above it NaN), and the sign bit.
 _NONFINITE = {
     "F32": (np.uint32, np.int32, 0x7FFFFFFF, 0x7F800000, 0x80000000),
     "BF16": (np.uint16, np.int16, 0x7FFF, 0x7F80, 0x8000),
     "F16": (np.uint16, np.int16, 0x7FFF, 0x7C00, 0x8000),
+    "F8_E4M3": (np.uint8, np.int8, 0x7F, 0x7F, 0x80),  # e4m3fn: S.1111.111 is NaN, there is no inf
 }
-HIDDEN_TENSORS = ("aux_hidden_states", "last_hidden_states")
+FLOAT_TENSORS = ("aux_hidden_states", "aux_scales", "last_hidden_states", "teacher_topk_logprobs")
 MAX_HEADER_BYTES = 100 << 20
 HEAD_READ_BYTES = 16 << 10
 FIX = "quarantine the shard (eyas.shards.shard_set.quarantine_shards) and re-run extraction"
@@ -56,6 +59,12 @@ class ExpectedShardMeta:
     dtype: str
     dataset_hash: str
     layer_id_convention: str = LAYER_ID_CONVENTION
+    aux_dtype: str = ""  # empty: the same as dtype
+    teacher: str = "last_hidden"
+    teacher_topk: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_dtype", self.aux_dtype or self.dtype)
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,9 @@ def check_metadata(s: ShardState) -> None:
             ("hidden_size", m.hidden_size, e.hidden_size),
             ("num_aux", m.num_aux, e.num_aux),
             ("dtype", m.dtype, e.dtype),
+            ("aux_dtype", m.aux_dtype, e.aux_dtype),
+            ("teacher", m.teacher, e.teacher),
+            ("teacher_topk", m.teacher_topk, e.teacher_topk),
             ("dataset_hash", m.dataset_hash, e.dataset_hash),
         ]
         if found != want
@@ -188,33 +200,37 @@ def check_metadata(s: ShardState) -> None:
     if diffs:
         raise Bad(
             f"metadata disagrees with the run config: {'; '.join(diffs)} "
-            f"(extracted with another target, layer ids or dataset); {FIX}"
+            f"(extracted with another target, layer ids, encoding or dataset); {FIX}"
         )
 
 
 def _expected_layout(s: ShardState) -> dict[str, tuple[str, tuple[int, ...]]]:
     m, t, n = s.meta, s.row.num_tokens, s.row.sample_end - s.row.sample_start
-    hidden = ST_DTYPES.get(m.dtype, m.dtype)
     return {
         "input_ids": ("I64", (t,)),
         "loss_mask": ("U8", (t,)),
-        "aux_hidden_states": (hidden, (t, m.num_aux * m.hidden_size)),
-        "last_hidden_states": (hidden, (t, m.hidden_size)),
         "sample_offsets": ("I64", (n + 1,)),
         "sample_indices": ("I64", (n,)),
+        **m.encoding.feature_layout(t, num_aux=m.num_aux, hidden_size=m.hidden_size),
     }
 
 
 def check_layout(s: ShardState) -> None:
-    missing = sorted(set(SHARD_TENSOR_NAMES) - set(s.tensors))
-    unexpected = sorted(set(s.tensors) - set(SHARD_TENSOR_NAMES))
+    layout = _expected_layout(s)
+    missing = sorted(set(layout) - set(s.tensors))
+    unexpected = sorted(set(s.tensors) - set(layout))
     if missing or unexpected:
-        raise Bad(f"tensors missing {missing}, unexpected {unexpected}; expected {sorted(SHARD_TENSOR_NAMES)}; {FIX}")
+        raise Bad(
+            f"tensors missing {missing}, unexpected {unexpected}; expected {sorted(layout)} (encoding "
+            f"{s.meta.encoding.label()}); {FIX}"
+        )
     m = s.meta
-    for name, (dtype, shape) in _expected_layout(s).items():
+    for name, (dtype, shape) in layout.items():
         span = s.tensors[name]
         if span.dtype != dtype:
-            raise Bad(f"{name} dtype {span.dtype}, expected {dtype} (metadata dtype {m.dtype}); {FIX}")
+            raise Bad(
+                f"{name} dtype {span.dtype}, expected {dtype} (encoding {m.encoding.label()}, dtype {m.dtype}); {FIX}"
+            )
         if name == "aux_hidden_states" and span.shape[1:] != shape[1:]:
             width = span.shape[1] if len(span.shape) == 2 else list(span.shape[1:])
             raise Bad(
@@ -281,7 +297,7 @@ def _regions(s: ShardState) -> list[tuple[int, int, str | None]]:
     for name, span in sorted(s.tensors.items(), key=lambda kv: kv[1].start):
         if span.start > pos:
             out.append((pos, span.start, None))
-        out.append((span.start, span.end, name if name in HIDDEN_TENSORS else None))
+        out.append((span.start, span.end, name if name in FLOAT_TENSORS else None))
         pos = max(pos, span.end)
     if pos < s.size:
         out.append((pos, s.size, None))
@@ -333,6 +349,31 @@ def check_finite(s: ShardState) -> None:
         )
 
 
+def check_encoding(s: ShardState) -> None:
+    """The encoding's own values: float8 scales > 0 (finite: check_finite), top-K ids >= 0, log-probs <= 0."""
+    if "aux_scales" in s.tensors:
+        scales = s.read(s.tensors["aux_scales"], "<f4")
+        if scales.size and not scales.min() > 0:
+            token = int(np.flatnonzero(~(scales > 0))[0]) // s.meta.num_aux
+            raise Bad(
+                f"aux_scales has a value {float(scales[~(scales > 0)][0])} <= 0 (token {token}, sample "
+                f"{s.sample_of(token)}); a float8 scale is the layer's amax / 448 (1 for all zeros); {FIX}"
+            )
+    if "teacher_topk_ids" in s.tensors:
+        ids = s.read(s.tensors["teacher_topk_ids"], "<i4")
+        if ids.size and ids.min() < 0:
+            token = int(np.flatnonzero(ids < 0)[0]) // s.meta.teacher_topk
+            raise Bad(f"teacher_topk_ids has a negative id (token {token}, sample {s.sample_of(token)}); {FIX}")
+        span = s.tensors["teacher_topk_logprobs"]
+        logprobs = s.read(span, "<f4" if span.dtype == "F32" else "<f2")
+        if logprobs.size and logprobs.max() > 1e-3:
+            token = int(np.flatnonzero(logprobs > 1e-3)[0]) // s.meta.teacher_topk
+            raise Bad(
+                f"teacher_topk_logprobs has {float(logprobs.max())} > 0 (token {token}, sample {s.sample_of(token)}): "
+                f"not log-probabilities (logits?); {FIX}"
+            )
+
+
 def check_dataset(s: ShardState) -> None:
     r = s.row
     ids, mask = s.ctx.dataset.tokens(r.sample_start, r.sample_end)
@@ -356,4 +397,10 @@ CHEAP_CHECKS = [
     ("layout", check_layout),
     ("offsets", check_offsets),
 ]
-FULL_CHECKS = [*CHEAP_CHECKS, ("checksum", check_checksum), ("finite", check_finite), ("dataset", check_dataset)]
+FULL_CHECKS = [
+    *CHEAP_CHECKS,
+    ("checksum", check_checksum),
+    ("finite", check_finite),
+    ("encoding", check_encoding),
+    ("dataset", check_dataset),
+]

@@ -26,6 +26,7 @@ import numpy as np
 from eyas.config import RunConfig
 from eyas.dataset.table import TokenizedDataset, read_dataset_hash, sample_lengths
 from eyas.facts import RunFacts
+from eyas.shards.encoding import ShardEncoding, extract_encoding
 from eyas.shards.format import SHARD_NAME_RE, shard_files
 from eyas.shards.manifest import ManifestRow, coverage_problems, drop_manifest_rows, read_manifest
 from eyas.shards.shard_set import quarantine_shards
@@ -43,16 +44,20 @@ class ShardVerificationError(RuntimeError):
         self.report = report
 
 
-def expected_shard_meta(facts: RunFacts, dtype: str) -> ExpectedShardMeta:
+def expected_shard_meta(facts: RunFacts, encoding: "ShardEncoding | str") -> ExpectedShardMeta:
     """What every shard's metadata must say: from the run's facts (target files, configured layer ids, dataset)
-    and the configured hidden-state dtype, not from the shards."""
+    and the configured encoding (a dtype name: every state in it, teacher last_hidden), not from the shards."""
+    enc = encoding if isinstance(encoding, ShardEncoding) else ShardEncoding(encoding, "last_hidden", 0, encoding)
     return ExpectedShardMeta(
         target_fingerprint=facts.target.fingerprint,
         aux_layer_ids=tuple(facts.aux_layer_ids),
         hidden_size=facts.hidden_size,
         num_aux=facts.num_aux,
-        dtype=dtype,
+        dtype=enc.dtype,
         dataset_hash=facts.dataset_hash,
+        aux_dtype=enc.aux_dtype,
+        teacher=enc.teacher,
+        teacher_topk=enc.teacher_topk,
     )
 
 
@@ -182,7 +187,7 @@ def verify_run(config: RunConfig, facts: RunFacts, *, progress: Callable[[dict],
     report = verify_shards(
         shards_dir=facts.shards_dir,
         tokenized_path=facts.tokenized_path,
-        expected=expected_shard_meta(facts, config.extract.dtype),
+        expected=expected_shard_meta(facts, extract_encoding(config.extract)),
         mode=v.mode,
         num_workers=v.num_workers,
         chunk_bytes=v.chunk_bytes,

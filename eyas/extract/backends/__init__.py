@@ -1,8 +1,9 @@
-"""Hidden-state backends: what turns token ids into (aux, last) hidden states, behind one interface.
+"""Hidden-state backends: what turns token ids into (aux, teacher) features, behind one interface.
 
     backend = open_backend(extract_cfg, target_path=..., target_dtype="bfloat16", aux_layer_ids=[2, 16, 29],
                            hidden_size=4096, device="cuda:0")
     [(aux, last), ...] = backend.features([ids_0, ids_1])   # aux [t_i, n_aux*H], last [t_i, H]
+    # with teacher_topk=K > 0 the teacher is an eyas.shards.encoding.TopK: ids [t_i, K], logprobs [t_i, K]
     backend.close()
 
 `hf` runs the target through transformers in this process (CPU or one GPU); `sglang` asks an SGLang
@@ -36,14 +37,17 @@ def open_backend(
     device: str,
 ) -> HiddenStateBackend:
     """The configured backend (the sglang one is imported only when asked for)."""
+    topk = extract_cfg.teacher_topk if extract_cfg.teacher == "topk" else 0
     if extract_cfg.backend == "hf":
         return HFBackend(
-            target_path, target_dtype=target_dtype, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, device=device
-        )
+            target_path, target_dtype=target_dtype, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size,
+            device=device, teacher_topk=topk,
+        )  # fmt: skip
     if extract_cfg.backend == "sglang":
         from eyas.extract.backends.sglang import SGLangBackend
 
         return SGLangBackend(
-            extract_cfg.sglang, target_path=target_path, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size
-        )
+            extract_cfg.sglang, target_path=target_path, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size,
+            teacher_topk=topk,
+        )  # fmt: skip
     raise ValueError(f"extract.backend={extract_cfg.backend!r}: expected 'hf' or 'sglang'")

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from eyas.target import load_target
+from eyas.shards.encoding import TopK, topk_teacher
+from eyas.target import lm_head_weight, load_target
 
 
 class HFBackend:
-    """The target through transformers, one right-padded forward pass per batch."""
+    """The target through transformers, one right-padded forward pass per batch. With `teacher_topk` K > 0 the
+    teacher is the top K of log_softmax(final states @ lm_head) over the full vocab, computed on the device."""
 
     name = "hf"
 
-    def __init__(self, target_path: str, *, target_dtype: str, aux_layer_ids: list[int], hidden_size: int, device: str):
+    def __init__(
+        self,
+        target_path: str,
+        *,
+        target_dtype: str,
+        aux_layer_ids: list[int],
+        hidden_size: int,
+        device: str,
+        teacher_topk: int = 0,
+    ):
         self.target = load_target(target_path, target_dtype)
         if self.target.hidden_size != hidden_size:
             raise ValueError(
@@ -20,10 +31,10 @@ class HFBackend:
                 f"{hidden_size}; the model directory changed during the run"
             )
         self.target.model.to(device)
-        self.aux_layer_ids, self.device = list(aux_layer_ids), device
+        self.aux_layer_ids, self.device, self.teacher_topk = list(aux_layer_ids), device, teacher_topk
 
     @torch.no_grad()
-    def features(self, samples: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def features(self, samples: list[torch.Tensor]) -> list[tuple[torch.Tensor, "torch.Tensor | TopK"]]:
         lengths = [len(s) for s in samples]
         ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -40,10 +51,16 @@ class HFBackend:
             logits_to_keep=1,
         )
         hs = out.hidden_states
-        return [
-            (torch.cat([hs[j][i, :n] for j in self.aux_layer_ids], dim=-1).cpu(), hs[-1][i, :n].cpu())
-            for i, n in enumerate(lengths)
-        ]
+        feats = []
+        for i, n in enumerate(lengths):
+            aux = torch.cat([hs[j][i, :n] for j in self.aux_layer_ids], dim=-1).cpu()
+            last = hs[-1][i, :n]
+            if self.teacher_topk:
+                top = topk_teacher(last, lm_head_weight(self.target.model), self.teacher_topk)
+                feats.append((aux, TopK(top.ids.cpu(), top.logprobs.cpu())))
+            else:
+                feats.append((aux, last.cpu()))
+        return feats
 
     def close(self) -> None:
         self.target = None

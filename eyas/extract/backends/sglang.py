@@ -14,6 +14,13 @@ draft trains against, in the model's dtype. The client sends POST /generate {"in
 token ids, rows, widths and dtype, and deletes it once read. Server and client therefore share a filesystem
 (one machine, or the capture dir on a shared volume).
 
+With a top-K teacher (`extract.teacher = "topk"`) the same request also asks for the top K log-probabilities
+at every prompt position (return_logprob, logprob_start_len 0, top_logprobs_num K) as flat base64 arrays
+(return_flat_raw_top_logprobs, return_flat_raw_output_top_logprobs, return_flat_raw_top_logprobs_b64: float32
+values and int32 ids, 8 bytes an entry); SGLang computes them as log_softmax of the raw logits of the
+final-norm states over the full vocab (layers/logprob_processor.py), and a nested-list answer (SGLang's
+fallback when it cannot build the flat form) is read too (`topk_from_answer`).
+
 What SGLang 0.5.23 does with the flags (sglang/srt/arg_groups/validation_hook.py
 `handle_aux_hidden_state_capture`, serving_hook.py `handle_return_hidden_states_mode`, checked against
 SGLang's own code by tests/test_sglang_conformance.py):
@@ -39,6 +46,7 @@ fields therefore fails on the first request, not after hours. JSON hidden states
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 import tempfile
@@ -48,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -65,6 +74,7 @@ from eyas.engines.sglang import (
 from eyas.extract.backends.base import check_aux_width, check_feature_widths
 from eyas.extract.capture_hook import CaptureError, capture_file
 from eyas.layer_ids import from_engine_layer_ids, sglang_convention, target_layout, to_engine_layer_ids
+from eyas.shards.encoding import TopK
 from eyas.target import find_weight
 
 MIN_SGLANG_VERSION = (0, 5, 23)
@@ -328,6 +338,78 @@ def check_canary(answer: dict, aux: torch.Tensor, last: torch.Tensor, lm_head: t
             )
 
 
+# Ask for the top-K teacher as flat base64 arrays (SGLang >= 0.5.22: io_struct.py GenerateReqInput
+# return_flat_raw_*): 8 bytes an entry instead of a nested JSON list of [logprob, id, text].
+TOPK_FLAGS = {
+    "return_logprob": True,
+    "logprob_start_len": 0,
+    "return_flat_raw_top_logprobs": True,
+    "return_flat_raw_output_top_logprobs": True,
+    "return_flat_raw_top_logprobs_b64": True,
+}
+
+
+def _flat_rows(meta: dict, side: str, k: int, where: str) -> "tuple[torch.Tensor, torch.Tensor, int] | None":
+    """(ids, logprobs [rows, k], null_prefix) of one side's flat b64 fields (tokenizer_manager.py
+    _build_flat_top_logprobs_fields_from_arrays), or None when SGLang answered nested lists instead (it falls
+    back to them when it cannot build the flat form)."""
+    if f"{side}_top_logprobs_val_flat_b64" not in meta:
+        return None
+    dtypes = (meta.get(f"{side}_top_logprobs_val_flat_b64_dtype"), meta.get(f"{side}_top_logprobs_idx_flat_b64_dtype"))
+    shape, null_prefix = meta.get(f"{side}_top_logprobs_shape"), meta.get(f"{side}_top_logprobs_null_prefix")
+    if dtypes != ("float32", "int32") or not isinstance(shape, list) or len(shape) != 2 or shape[1] != k:
+        raise SglangServerError(
+            f"{where}: {side} top logprobs in flat form with dtypes {dtypes} and shape {shape}, expected float32 "
+            f"values, int32 ids and [rows, {k}]: this SGLang's flat format changed; check its io_struct.py"
+        )
+    vals = np.frombuffer(base64.b64decode(meta[f"{side}_top_logprobs_val_flat_b64"]), dtype="<f4")
+    ids = np.frombuffer(base64.b64decode(meta[f"{side}_top_logprobs_idx_flat_b64"]), dtype="<i4")
+    if vals.size != shape[0] * k or ids.size != vals.size:
+        raise SglangServerError(f"{where}: {side} flat top logprobs hold {vals.size} values, shape says {shape}")
+    as_tensor = lambda a: torch.from_numpy(a.reshape(shape[0], k).copy())  # noqa: E731
+    return as_tensor(ids), as_tensor(vals), int(null_prefix)
+
+
+def _nested_rows(meta: dict, side: str, k: int):
+    rows = meta.get(f"{side}_top_logprobs") or []
+    null_prefix = 0
+    while null_prefix < len(rows) and not rows[null_prefix]:
+        null_prefix += 1
+    kept = rows[null_prefix:]
+    if any(not row or len(row) < k for row in kept):
+        return None
+    ids = torch.tensor([[int(e[1]) for e in row[:k]] for row in kept], dtype=torch.int32).reshape(len(kept), k)
+    vals = torch.tensor([[float(e[0]) for e in row[:k]] for row in kept], dtype=torch.float32).reshape(len(kept), k)
+    return ids, vals, null_prefix
+
+
+def topk_from_answer(answer: dict, num_tokens: int, k: int, where: str) -> TopK:
+    """The top-K teacher of every prompt position from one /generate answer (TOPK_FLAGS, top_logprobs_num K).
+    SGLang 0.5.23 (logprob_result_processor.py) starts the input side with a null row for the first token
+    (nothing predicts it) and moves the last position's row to the output side: so position p's next-token
+    distribution is input row p + 1 and the last position's is output row 0, in either form (flat b64 arrays,
+    or the nested [logprob, id, text] lists SGLang falls back to)."""
+    meta = answer.get("meta_info") or {}
+    sides = []
+    for side, want_null in (("input", 1), ("output", 0)):
+        got = _flat_rows(meta, side, k, where) or _nested_rows(meta, side, k)
+        if got is None or got[2] != want_null:
+            raise SglangServerError(
+                f"{where}: the answer's {side} top logprobs are missing or short of {k} entries a position; "
+                "expected them at every position (flat or nested): the request asks for return_logprob with "
+                "logprob_start_len 0 and top_logprobs_num K; check the server's version"
+            )
+        sides.append(got)
+    ids = torch.cat([sides[0][0], sides[1][0][:1]])
+    logprobs = torch.cat([sides[0][1], sides[1][1][:1]])
+    if ids.shape[0] != num_tokens:
+        raise SglangServerError(
+            f"{where}: {ids.shape[0]} top-logprob rows for {num_tokens} prompt positions (input rows 1.. + output "
+            "row 0); expected one a position"
+        )
+    return TopK(ids, logprobs)
+
+
 class SGLangBackend:
     """Hidden states from an SGLang server with eyas's capture hook: launched here, or at extract.sglang.server_url."""
 
@@ -342,8 +424,10 @@ class SGLangBackend:
         hidden_size: int,
         launch_module: str = "sglang.launch_server",
         log_path: str | Path | None = None,
+        teacher_topk: int = 0,
     ):
         self.cfg, self.aux_layer_ids, self.hidden_size = cfg, list(aux_layer_ids), hidden_size
+        self.teacher_topk = teacher_topk
         self.target_path = target_path
         self.engine_ids, self.convention = engine_layer_ids(self.aux_layer_ids, target_path)
         with ExitStack() as stack:
@@ -389,6 +473,8 @@ class SGLangBackend:
         }
         if canary:  # both channels: JSON hidden states and top-1 logprobs at every position
             body.update(return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        elif self.teacher_topk:  # the top-K teacher of every position, in the same request
+            body.update(TOPK_FLAGS, top_logprobs_num=self.teacher_topk)
         return request_json(
             f"{self.url}/generate",
             body,
@@ -433,9 +519,13 @@ class SGLangBackend:
                 results = list(pool.map(self._one, [s.tolist() for s in samples], wheres))
         except CaptureError as err:
             raise SglangServerError(f"{source}: {err}") from err
-        feats = [(aux.float(), last.float()) for _, aux, last in results]
+        if self.teacher_topk:
+            feats = [(aux.float(), topk_from_answer(a, n, self.teacher_topk, w)) for (a, aux, _), n, w in
+                     zip(results, lengths, wheres)]  # fmt: skip
+        else:
+            feats = [(aux.float(), last.float()) for _, aux, last in results]
         check_feature_widths(feats, lengths, num_aux=len(self.aux_layer_ids), hidden_size=self.hidden_size,
-                             source=source)  # fmt: skip
+                             source=source, teacher_topk=self.teacher_topk)  # fmt: skip
         return feats
 
     def close(self) -> None:

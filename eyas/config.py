@@ -323,6 +323,22 @@ class TrainConfig(StrictModel):
         default="",
         description="S3 API endpoint of checkpoint_copy_url (MinIO, a local server); empty = AWS or $AWS_ENDPOINT_URL",
     )
+    cache_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="0 = train from the full local copy of the shards (RUN/shards); N > 0 = every rank reads the "
+        "shards from where extraction stored them (extract.storage_url) through its own local cache of at most N "
+        "bytes (OUTPUT/shard-cache/rank-R), fetched ahead of its sample order by a background thread, each shard "
+        "checked against its manifest checksum; shards the rank needs latest are evicted first. Must hold the "
+        "largest shard; pair it with shuffle_window_shards",
+    )
+    shuffle_window_shards: int = Field(
+        default=0,
+        ge=0,
+        description="0 = every epoch shuffles all samples; W > 0 = the shards are shuffled, then the samples within "
+        "each run of W consecutive shards, so a stretch of steps reads W shards: with cache_bytes set, choose W at "
+        "most half the shards the cache holds, so the next window arrives while the current one trains",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -442,6 +458,16 @@ class RunConfig(StrictModel):
     export: ExportConfig = Field(default=ExportConfig(), description="the export of the trained draft")
     bench: BenchConfig = Field(description="the acceptance benchmark on held-out prompts")
 
+    @model_validator(mode="after")
+    def _cache_reads_remote_shards(self) -> "RunConfig":
+        if self.train.cache_bytes and not self.extract.storage_url.startswith("s3://"):
+            raise ValueError(
+                f"train.cache_bytes={self.train.cache_bytes}: the shard cache reads shards stored on S3, and "
+                f"extract.storage_url={self.extract.storage_url!r} keeps them in the run's local shards dir already; "
+                f"set train.cache_bytes to 0, or extract.storage_url to s3://bucket/prefix"
+            )
+        return self
+
     @property
     def paths(self) -> "RunPaths":
         return RunPaths(Path(self.workdir))
@@ -457,13 +483,26 @@ class TrainJob(StrictModel):
     """Everything `python -m eyas.train --config job.json` needs, written by the train task."""
 
     target_path: str = Field(description="the target's model directory")
-    shards_dir: str = Field(description="the local shard set to train on")
+    shards_dir: str = Field(
+        description="the shard set to train on: a local directory; with train.cache_bytes > 0 also s3://bucket/prefix, "
+        "read through the cache"
+    )
+    shards_endpoint_url: str = Field(default="", description="S3 API endpoint of an s3:// shards_dir; empty = AWS")
     vocab_path: str = Field(description="the draft vocab mapping (vocab.safetensors)")
     output_dir: str = Field(description="checkpoints, metrics.jsonl and final.json go here")
     aux_layer_ids: list[int] = Field(description="canonical aux layer ids the shards were extracted at")
     draft: DraftConfig = Field(description="the draft's decoder layer")
     train: TrainConfig = Field(description="the training run")
     max_samples: int = Field(default=0, ge=0, description="use the first N samples; 0 = all")
+
+    @model_validator(mode="after")
+    def _remote_shards_need_a_cache(self) -> "TrainJob":
+        if "://" in self.shards_dir and not self.train.cache_bytes:
+            raise ValueError(
+                f"shards_dir={self.shards_dir!r} with train.cache_bytes=0: a storage URL is read through the shard "
+                f"cache; set train.cache_bytes, or point shards_dir at a local copy"
+            )
+        return self
 
 
 class RunPaths:

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
+from faults import KINDS, apply_fault
 from run_fixtures import extract, write_tokenized
 
 from eyas.config import ExtractConfig
@@ -339,3 +340,45 @@ def test_quarantined_shards_are_reextracted_and_pass(shards, extracted, random_t
     summary = extract(extracted[0], shards, random_target_dir, CFG)
     assert summary.shards_written == 1
     assert _verify(shards, extracted).ok
+
+
+class CountingS3:
+    """The S3 storage, counting the two ways verification reads a remote shard."""
+
+    def __init__(self, store):
+        self.store, self.ranges, self.downloads = store, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def get_range(self, name, start, end):
+        self.ranges += 1
+        return self.store.get_range(name, start, end)
+
+    def download_to(self, name, path):
+        self.downloads += 1
+        return self.store.download_to(name, path)
+
+
+@pytest.mark.parametrize("kind", [None, *KINDS, "nan"])
+def test_shards_on_s3_verify_as_their_local_copy_does_without_one(shards, extracted, kind, s3_bucket, s3_endpoint):
+    """Verification reads S3 directly (no local copy): cheap mode by range requests for the headers and offsets,
+    full mode streaming each shard through a temporary file; each damage gets the local copy's verdict."""
+    from eyas.storage.s3 import S3Storage
+
+    if kind is not None:
+        apply_fault(shards, kind)
+    store = CountingS3(S3Storage(f"s3://{s3_bucket}/{kind}", endpoint_url=s3_endpoint))
+    for path in sorted(p for p in shards.rglob("*") if p.is_file()):
+        store.put_bytes(str(path.relative_to(shards)), path.read_bytes())
+    for mode in ("cheap", "full"):
+        local, remote = _verify(shards, extracted, mode), _verify(store, extracted, mode)
+        assert _bad_reasons(remote) == _bad_reasons(local), mode
+        assert [(r.file, r.status, r.checks_passed, r.num_bytes) for r in remote.rows] == [
+            (r.file, r.status, r.checks_passed, r.num_bytes) for r in local.rows
+        ]
+        assert remote.problems == [p.replace(str(shards), store.url) for p in local.problems]
+        if mode == "cheap":
+            assert store.downloads == 0 and store.ranges >= len(remote.rows) - (kind in ("delete",))
+    assert store.downloads == len([r for r in remote.rows if r.file in store.list()])
+    assert (kind is None) == remote.ok

@@ -3,6 +3,8 @@
     samples = ShardSamples("run/shards")          # every row of manifest.parquet, checked
     sample = samples.load_sample(17)              # input_ids [T], loss_mask [T], aux_hidden [T, nH], last_hidden [T, H]
                                                   # (teacher topk: topk_ids, topk_logprobs [T, K] for last_hidden)
+    samples = ShardSamples(open_storage("s3://b/run"), cache_dir="out/shard-cache/rank-0", cache_bytes=8 << 30)
+    samples.plan(sample_ids_in_read_order)        # the cache fetches ahead of it (eyas.shards.cache)
 
 A sample is addressed by its global index (the dataset order extraction used). The manifest is read
 through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an overlap; every shard's
@@ -11,21 +13,26 @@ must agree with its manifest row and with the first shard's run-wide fields; its
 manifest's `num_bytes`, and with `verify_reads` its XXH3 checksum the manifest's `checksum` (one read of the
 file, on first open), so a shard damaged after verification is refused, named, before a step trains on it.
 A sample is read as memory-mapped slices, never a whole shard; float8 aux states are decoded (times their
-scales, eyas.shards.encoding.decode_aux) as they are read, into float32.
+scales, eyas.shards.encoding.decode_aux) as they are read, into float32. With `cache_bytes` > 0 the shards
+are read from a storage (S3, or any eyas.storage) through a bounded local cache (eyas.shards.cache), whose
+fetches are checked against the manifest checksum; without, they are the files of a local directory.
 """
 
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from eyas.checksum import checksum_file, short
+from eyas.shards.cache import ShardCache
 from eyas.shards.encoding import TEACHER_KEYS, decode_aux
 from eyas.shards.format import BASE_TENSOR_NAMES, ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
+from eyas.storage import Storage, as_storage
 
 # ShardMeta fields every shard of one extraction run shares.
 RUN_FIELDS = (
@@ -52,44 +59,88 @@ class ShardSamples:
     """Global sample index -> shard file + token range, read through the manifest.
 
     `max_samples` > 0 keeps the first N samples. `meta` is the first shard's ShardMeta; every other
-    shard is checked against it when first read.
+    shard is checked against it when first read. `shards` is a local directory, or with `cache_bytes` > 0
+    any storage (read through a ShardCache in `cache_dir`; call `plan` with the read order, `close` at the end).
     """
 
-    def __init__(self, shards_dir: str | Path, *, max_samples: int = 0, verify_reads: bool = False):
-        self.shards_dir, self.verify_reads = Path(shards_dir), verify_reads
-        if not (self.shards_dir / MANIFEST_NAME).is_file():
+    def __init__(
+        self,
+        shards: str | Path | Storage,
+        *,
+        max_samples: int = 0,
+        verify_reads: bool = False,
+        cache_dir: str | Path | None = None,
+        cache_bytes: int = 0,
+        log=print,
+    ):
+        store = as_storage(shards)
+        self.verify_reads, self.where = verify_reads, store.url
+        if not cache_bytes and store.local_path() is None:
             raise ShardDataError(
-                f"shards_dir {str(self.shards_dir)!r}: no {MANIFEST_NAME}; run extraction (eyas extract) first"
+                f"shards {store.url}: not a local directory; read it through a cache (train.cache_bytes > 0) "
+                f"or from the local copy extraction keeps (RUN/shards)"
             )
-        self._rows = read_manifest(self.shards_dir)
+        self.shards_dir = store.local_path()
+        if not store.exists(MANIFEST_NAME):
+            raise ShardDataError(f"shards_dir {store.url!r}: no {MANIFEST_NAME}; run extraction (eyas extract) first")
+        self._rows = read_manifest(store)
         if not self._rows:
             raise ShardDataError(
-                f"{self.shards_dir / MANIFEST_NAME}: the manifest has no rows; extraction wrote no shard: run "
+                f"{store.url}/{MANIFEST_NAME}: the manifest has no rows; extraction wrote no shard: run "
                 "extraction (eyas extract) again"
             )
         total = self._rows[-1].sample_end
-        problems = coverage_problems(self._rows, total, where=str(self.shards_dir / MANIFEST_NAME))
+        problems = coverage_problems(self._rows, total, where=f"{store.url}/{MANIFEST_NAME}")
         if problems:
             raise ShardDataError("; ".join(problems))
         if max_samples > total:
             raise ShardDataError(
-                f"max_samples={max_samples}: the shards in {self.shards_dir} hold only {total} samples; "
+                f"max_samples={max_samples}: the shards in {store.url} hold only {total} samples; "
                 f"lower max_samples (0 = all) or extract more"
             )
+        if cache_bytes and cache_dir is None:
+            raise ValueError(f"shards {store.url}: cache_bytes={cache_bytes} needs a cache_dir")
+        self.cache = ShardCache(store, self._rows, cache_dir, cache_bytes, log=log) if cache_bytes else None
         self._starts = [r.sample_start for r in self._rows]
         self.num_samples = max_samples or total
         self._offsets: dict[int, torch.Tensor] = {}
-        self._check_file(0)
-        with safe_open(self._path(0), framework="pt") as f:
+        self._checked: set[int] = set()
+        with self._opened(0) as path, safe_open(path, framework="pt") as f:
             self.meta = self._parse(0, f)
-        self._checked = {0}
         self._feature_names = [n for n in self.meta.tensor_names() if n not in BASE_TENSOR_NAMES]
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def shard_starts(self) -> tuple[int, ...]:
+        """The first sample of every shard (for a shard-local order, eyas.train.data.ShardWindows)."""
+        return tuple(self._starts)
+
+    def plan(self, sample_ids: list[int]) -> None:
+        """The samples this reader will load, in order: a cache fetches their shards ahead (no-op without)."""
+        if self.cache is not None:
+            self.cache.plan([self.locate(i)[0] for i in sample_ids])
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
     def _path(self, shard: int) -> Path:
         return self.shards_dir / self._rows[shard].file
+
+    @contextmanager
+    def _opened(self, shard: int):
+        """The shard's local file: through the cache (which checked its checksum on fetch), or in the local
+        directory (its size checked on first use, with verify_reads its checksum; before safe_open, so a
+        truncated file is named, not a parse error)."""
+        if self.cache is not None:
+            with self.cache.opened(shard) as path:
+                yield path
+            return
+        if shard not in self._checked:
+            self._check_file(shard)
+            self._checked.add(shard)
+        yield self._path(shard)
 
     def _check_file(self, shard: int) -> None:
         """The file is the one the manifest lists: its size always, its checksum with verify_reads."""
@@ -117,7 +168,7 @@ class ShardSamples:
         """The shard's metadata, checked against its manifest row."""
         row = self._rows[shard]
         try:
-            meta = ShardMeta.from_metadata(f.metadata(), source=f"shard {self._path(shard)}")
+            meta = ShardMeta.from_metadata(f.metadata(), source=f"shard {self.where}/{row.file}")
         except ValueError as e:
             raise ShardDataError(str(e)) from e
         if (meta.shard_index, meta.sample_start, meta.sample_end) != (
@@ -162,10 +213,7 @@ class ShardSamples:
         """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH] (decoded), and the teacher:
         last_hidden [T, H], or topk_ids and topk_logprobs [T, K]."""
         shard, local = self.locate(index)
-        if shard not in self._checked:  # before safe_open: a truncated file is named, not a parse error
-            self._check_file(shard)
-            self._checked.add(shard)
-        with safe_open(self._path(shard), framework="pt") as f:
+        with self._opened(shard) as path, safe_open(path, framework="pt") as f:
             offsets = self._shard_offsets(shard, f)
             stored = int(f.get_slice("sample_indices")[local : local + 1][0])
             if stored != index:

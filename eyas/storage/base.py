@@ -23,6 +23,12 @@ class Storage(Protocol):
     def get_bytes(self, name: str, *, checksum: str | None = None) -> bytes:
         """Read `name` whole, checked against `checksum` (or, on S3, the one recorded at write)."""
 
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes start..end (exclusive) of `name`, unchecked (verification checks what it reads)."""
+
+    def download_to(self, name: str, path: str | Path) -> None:
+        """Write `name` whole into the local file `path`, streamed, unchecked (verification hashes it)."""
+
     def list(self, prefix: str = "") -> dict[str, int]:
         """{name: size} of the complete objects directly under `prefix` ("" or "dir/"; not recursive)."""
 

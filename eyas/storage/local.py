@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from eyas.checksum import checksum_bytes
@@ -33,6 +34,13 @@ class LocalStorage:
         if checksum is not None:
             check_checksum(data, checksum, source=str(self._path(name)))
         return data
+
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        with open(self._path(name), "rb") as f:
+            return os.pread(f.fileno(), end - start, start)
+
+    def download_to(self, name: str, path: str | Path) -> None:
+        shutil.copyfile(self._path(name), path)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         base = self._path(prefix) if prefix else self.root

@@ -184,6 +184,16 @@ class S3Storage:
                 self._backoff(attempt)
         raise AssertionError("unreachable")
 
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        answer = self.client.get_object(Bucket=self.bucket, Key=self._key(name), Range=f"bytes={start}-{end - 1}")
+        return answer["Body"].read()
+
+    def download_to(self, name: str, path: str | Path) -> None:
+        answer = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
+        with open(path, "wb") as f:
+            for chunk in answer["Body"].iter_chunks(1 << 20):
+                f.write(chunk)
+
     def list(self, prefix: str = "") -> dict[str, int]:
         out = {}
         pages = self.client.get_paginator("list_objects_v2").paginate(

@@ -1,15 +1,19 @@
 """The training order and batches: which samples each step takes, on which rank, padded how.
 
-The training order is `global_order(n, seed, epoch)`, a permutation that depends only on (seed,
-epoch); a step takes the next `global_batch_size` ids of it and rank r trains on
-`rank_slice(ids, r, world)`. The data position is the number of global samples consumed, so a run
-resumed on another world size continues the same order. Steps: `num_epochs` x (samples //
-global_batch_size), capped by `max_steps` when it is > 0 (`total_steps`).
+The training order is `global_order(n, seed, epoch, windows)`, a permutation that depends only on (seed,
+epoch) and, with `train.shuffle_window_shards` W > 0, on the shard boundaries: the shards are shuffled,
+then the samples within each run of W consecutive shards of that order, so a stretch of steps reads W
+shards (what a bounded shard cache, eyas.shards.cache, fetches ahead); W = 0 shuffles all samples. A step
+takes the next `global_batch_size` ids of it and rank r trains on `rank_slice(ids, r, world)`. The data
+position is the number of global samples consumed, so a run resumed on another world size continues the
+same order. Steps: `num_epochs` x (samples // global_batch_size), capped by `max_steps` when it is > 0
+(`total_steps`); `rank_schedule` lists the samples one rank reads from a position to the last step.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -18,16 +22,36 @@ from eyas.config import TrainConfig
 from eyas.shards.reader import ShardDataError
 
 
+@dataclass(frozen=True)
+class ShardWindows:
+    """Shard-local shuffling: `shard_starts` are the first sample of each shard (ascending, from 0), `size`
+    the shards per window (train.shuffle_window_shards); size 0 = one uniform shuffle."""
+
+    shard_starts: tuple[int, ...] = ()
+    size: int = 0
+
+
+UNIFORM = ShardWindows()
+
+
 @lru_cache(maxsize=4)
-def _cached_order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
+def _cached_order(num_samples: int, seed: int, epoch: int, windows: ShardWindows = UNIFORM) -> tuple[int, ...]:
     digest = hashlib.sha256(f"eyas-order:{seed}:{epoch}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return tuple(torch.randperm(num_samples, generator=gen).tolist())
+    if not windows.size:
+        return tuple(torch.randperm(num_samples, generator=gen).tolist())
+    bounds = [s for s in windows.shard_starts if s < num_samples] + [num_samples]
+    shards = torch.randperm(len(bounds) - 1, generator=gen).tolist()
+    order: list[int] = []
+    for w in range(0, len(shards), windows.size):
+        ids = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in shards[w : w + windows.size]])
+        order += ids[torch.randperm(ids.numel(), generator=gen)].tolist()
+    return tuple(order)
 
 
-def global_order(num_samples: int, seed: int, epoch: int) -> list[int]:
-    """The permutation of sample indices for one epoch; a function of (seed, epoch) only."""
-    return list(_cached_order(num_samples, seed, epoch))
+def global_order(num_samples: int, seed: int, epoch: int, windows: ShardWindows = UNIFORM) -> list[int]:
+    """The permutation of sample indices for one epoch; a function of (seed, epoch, windows) only."""
+    return list(_cached_order(num_samples, seed, epoch, windows))
 
 
 def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
@@ -40,11 +64,13 @@ def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
     return num_samples // global_batch_size
 
 
-def batch_at(samples_consumed: int, num_samples: int, global_batch_size: int, seed: int) -> tuple[int, list[int]]:
+def batch_at(
+    samples_consumed: int, num_samples: int, global_batch_size: int, seed: int, windows: ShardWindows = UNIFORM
+) -> tuple[int, list[int]]:
     """(epoch, global sample ids) of the batch that follows `samples_consumed` samples."""
     epoch_len = steps_per_epoch(num_samples, global_batch_size) * global_batch_size
     epoch, offset = divmod(samples_consumed, epoch_len)
-    return epoch, list(_cached_order(num_samples, seed, epoch)[offset : offset + global_batch_size])
+    return epoch, list(_cached_order(num_samples, seed, epoch, windows)[offset : offset + global_batch_size])
 
 
 def rank_slice(global_batch_ids: list[int], rank: int, world: int) -> list[int]:
@@ -58,6 +84,22 @@ def rank_slice(global_batch_ids: list[int], rank: int, world: int) -> list[int]:
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
     return list(global_batch_ids[start : start + base + (rank < extra)])
+
+
+def rank_schedule(
+    samples_consumed: int,
+    last_step: int,
+    num_samples: int,
+    train: TrainConfig,
+    rank: int,
+    world: int,
+    windows: ShardWindows = UNIFORM,
+) -> list[int]:
+    """The sample ids rank `rank` reads, in order, from the batch after `samples_consumed` to `last_step`."""
+    gbs, out = train.global_batch_size, []
+    for consumed in range(samples_consumed, last_step * gbs, gbs):
+        out += rank_slice(batch_at(consumed, num_samples, gbs, train.seed, windows)[1], rank, world)
+    return out
 
 
 def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str, torch.Tensor]:

@@ -45,9 +45,11 @@ class TorchrunFailed(RuntimeError):
 def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None, max_samples: int = 0) -> TrainJob:
     """The trainer's job for this run (the smoke run passes its own output_dir and sample count)."""
     paths = config.paths
+    cached = config.train.cache_bytes > 0  # read from storage (S3) through each rank's cache
     return TrainJob(
         target_path=str(Path(config.target.model_path).resolve()),
-        shards_dir=str(Path(facts.shards_dir).resolve()),
+        shards_dir=facts.storage_url if cached else str(Path(facts.shards_dir).resolve()),
+        shards_endpoint_url=facts.s3_endpoint_url if cached else "",
         vocab_path=str(paths.vocab.resolve()),
         output_dir=str((output_dir or paths.train_dir).resolve()),
         aux_layer_ids=list(facts.aux_layer_ids),

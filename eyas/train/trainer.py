@@ -13,6 +13,12 @@ same sample order. With `train.checkpoint_copy_url` set, rank 0 copies each comp
 (eyas.train.checkpoint_copy), and a run whose output_dir lacks the copy's newest checkpoint (a fresh
 machine) restores it before resuming. At the end rank 0 writes `output_dir/final.json` =
 {"checkpoint", "step", "final_loss"}. The process entry is eyas/train/__main__.py.
+
+With `train.cache_bytes` > 0 every rank reads the shards from storage through its own bounded cache in
+`output_dir/shard-cache/rank-R` (eyas.shards.cache), planned with the samples it will read from the resumed
+position to the last step (eyas.train.data.rank_schedule), so the cache fetches ahead of the order; with
+`train.shuffle_window_shards` the order is shard-local. A cached run trains on the same bytes as one from a
+local copy: the same weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from eyas.dataset.vocab import load_vocab
 from eyas.draft import DraftArch, Eagle3Draft, build_draft, ttt_loss
 from eyas.fsio import atomic_write_text
 from eyas.shards.reader import ShardSamples
+from eyas.storage import open_storage
 from eyas.target import load_embed_and_lm_head, target_fingerprint
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, load_training_state, read_arch, write_checkpoint
 from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
-from eyas.train.data import batch_at, collate, rank_slice, total_steps
+from eyas.train.data import UNIFORM, ShardWindows, batch_at, collate, rank_schedule, rank_slice, total_steps
 from eyas.train.metrics import emit_metrics, truncate_metrics
 from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, local_value, parallelize
 
@@ -62,9 +69,32 @@ def _check_shards(samples: ShardSamples, job: TrainJob, hidden_size: int, finger
         )
 
 
-def build_setup(job: TrainJob) -> TrainSetup:
+CACHE_DIR = "shard-cache"
+
+
+def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
+    """The job's shards: the local directory, or (train.cache_bytes > 0) its storage through rank's cache."""
+    t = job.train
+    if not t.cache_bytes:
+        return ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=t.verify_reads)
+    return ShardSamples(
+        open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url),
+        max_samples=job.max_samples,
+        cache_dir=Path(job.output_dir) / CACHE_DIR / f"rank-{rank}",
+        cache_bytes=t.cache_bytes,
+        log=lambda message: print(f"[eyas.train] rank {rank}: {message}", flush=True),
+    )
+
+
+def sample_windows(samples: ShardSamples, job: TrainJob) -> ShardWindows:
+    """The order's shard windows (train.shuffle_window_shards; UNIFORM when 0)."""
+    size = job.train.shuffle_window_shards
+    return ShardWindows(samples.shard_starts(), size) if size else UNIFORM
+
+
+def build_setup(job: TrainJob, rank: int = 0) -> TrainSetup:
     """A fresh draft for the job, its shards opened and checked against the target and the job."""
-    samples = ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=job.train.verify_reads)
+    samples = open_samples(job, rank)
     embed, lm_head = load_embed_and_lm_head(job.target_path)
     d2t, t2d, _ = load_vocab(job.vocab_path)
     vocab, hidden = embed.shape
@@ -204,7 +234,8 @@ class Trainer:
         self.copy_store = open_copy_store(t) if ctx.rank == 0 else None
         if t.checkpoint_copy_url:
             self.sync_copy()
-        self.setup = build_setup(job)
+        self.setup = build_setup(job, ctx.rank)
+        self.windows = sample_windows(self.setup.samples, job)
         self.draft = self.setup.draft.to(ctx.device)
         bf16 = use_bf16(t.mixed_precision, ctx.device)
         objective = TTTObjective(self.draft, self.setup.head_rows.to(ctx.device), t.num_ttt_steps, t.ttt_decay, bf16)
@@ -218,6 +249,9 @@ class Trainer:
         if ctx.rank == 0:  # the steps after the checkpoint are trained again: their old records go
             truncate_metrics(self.output_dir, self.step)
         self.checkpoint = state["checkpoint"]
+        self.setup.samples.plan(
+            rank_schedule(self.consumed, self.last_step, len(self.setup.samples), t, ctx.rank, ctx.world, self.windows)
+        )
 
     def sync_copy(self) -> None:
         """Rank 0 restores the copy's newest checkpoint (or copies the local newest) while the others wait."""
@@ -229,7 +263,7 @@ class Trainer:
     def next_batch(self) -> tuple[int, list[int], dict]:
         """(epoch, global batch ids, this rank's collated share) after `consumed` samples."""
         t = self.train_config
-        epoch, ids = batch_at(self.consumed, len(self.setup.samples), t.global_batch_size, t.seed)
+        epoch, ids = batch_at(self.consumed, len(self.setup.samples), t.global_batch_size, t.seed, self.windows)
         mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
         # ttt_loss needs more columns than TTT steps; padding is masked out, so this changes no result.
         batch = collate(mine, self.job.draft.max_position_embeddings, min_len=t.num_ttt_steps + 1)
@@ -291,7 +325,19 @@ class Trainer:
             if self.copy_store is not None:
                 copy_checkpoint(self.copy_store, path)
                 rotate_copies(self.copy_store, t.num_checkpoints_kept)
+            self.log_cache()
         dist.barrier()
+
+    def log_cache(self) -> None:
+        cache = self.setup.samples.cache
+        if cache is not None:
+            s = cache.stats
+            log(
+                self.ctx,
+                f"shard cache (rank 0): {s.fetched} shards fetched ({s.fetched_bytes / 2**20:.1f} MiB), {s.evicted} "
+                f"evicted, {s.wait_s:.1f} s waited, {cache.bytes_on_disk() / 2**20:.1f} MiB on disk of "
+                f"{self.train_config.cache_bytes / 2**20:.1f} MiB",
+            )
 
     def run(self) -> dict:
         """Train to the last step, saving on schedule and at the end; returns the final.json contents."""
@@ -301,10 +347,13 @@ class Trainer:
             f"world size {self.ctx.world}, {self.train_config.parallelism}",
         )
         start = time.monotonic()
-        while self.step < self.last_step:
-            record = self.train_one_step(start)
-            if self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step:
-                self.save(record["epoch"])
+        try:
+            while self.step < self.last_step:
+                record = self.train_one_step(start)
+                if self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step:
+                    self.save(record["epoch"])
+        finally:
+            self.setup.samples.close()
         final = {"checkpoint": self.checkpoint, "step": self.step, "final_loss": self.loss}
         if self.ctx.rank == 0:
             write_final(self.output_dir, final)

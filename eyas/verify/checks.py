@@ -1,7 +1,8 @@
 """The checks of shard verification: each takes one shard's state and raises `Bad` with the reason.
 
 Headers are parsed here (8-byte little-endian length, JSON), not through `safe_open`, so cheap mode
-costs one open, two small reads and a few small `pread`s per shard. Full mode reads every byte once,
+costs one open, two small reads and a few small `pread`s per shard: of a local file (`FileBytes`), or
+range requests to an object in storage (`RangeBytes`, one per read). Full mode reads every byte once,
 in chunks of `chunk_bytes` into a buffer reused by the thread: each chunk feeds the checksum and, inside
 the float tensors (hidden states, float8 scales, top-K log-probabilities), an exact finiteness test on the
 exponent bits (float32, bfloat16, float16; float8 e4m3fn, which has NaN and no inf). The encoding's own
@@ -18,7 +19,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -84,13 +85,49 @@ class TensorSpan(NamedTuple):
     end: int
 
 
+class FileBytes:
+    """A shard's bytes in a local file, read by pread (os.pread releases the GIL)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [buf], offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class RangeBytes:
+    """A shard's bytes in storage (S3), each read one range request (`Storage.get_range`)."""
+
+    def __init__(self, store, name: str, size: int):
+        self.store, self.name, self.size = store, name, size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        end = min(offset + n, self.size)
+        return self.store.get_range(self.name, offset, end) if offset < end else b""
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        data = self.pread(len(buf), offset)
+        buf[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class ShardState:
-    path: str
     name: str
     row: ManifestRow | None
     ctx: VerifyContext
-    fd: int | None = None
+    opener: Callable[[], "FileBytes | RangeBytes"]  # raises FileNotFoundError when the shard is absent
+    src: "FileBytes | RangeBytes | None" = None
     size: int = 0
     data_start: int = 0
     raw_meta: dict | None = None
@@ -107,7 +144,7 @@ class ShardState:
         lo, hi = min(a.start, b.start), max(a.end, b.end)
         if hi - lo > (a.end - a.start) + (b.end - b.start) + HEAD_READ_BYTES:
             return self.read(a, dtype), self.read(b, dtype)
-        data = os.pread(self.fd, hi - lo, lo)
+        data = self.src.pread(hi - lo, lo)
         if len(data) != hi - lo:
             raise Bad(f"file ended inside tensor bytes {lo}..{hi} (truncated); {FIX}")
         item = np.dtype(dtype).itemsize
@@ -120,21 +157,22 @@ class ShardState:
 
 
 def check_listed(s: ShardState) -> None:
+    try:
+        s.src = s.opener()
+    except FileNotFoundError:
+        if s.row is None:
+            raise
+        raise Bad(f"listed in the manifest but missing on disk; {FIX}") from None
+    s.size = s.src.size
     if s.row is None:
-        s.size = os.stat(s.path).st_size
         raise Bad(
             "not in the manifest: an unfinished write (crash before its manifest row) or a foreign file; "
             "the next extraction run rewrites it, or quarantine it"
         )
-    try:
-        s.fd = os.open(s.path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise Bad(f"listed in the manifest but missing on disk; {FIX}") from None
-    s.size = os.fstat(s.fd).st_size
 
 
 def check_header(s: ShardState) -> None:
-    head = os.pread(s.fd, HEAD_READ_BYTES, 0)  # the header of a shard usually fits: one read
+    head = s.src.pread(HEAD_READ_BYTES, 0)  # the header of a shard usually fits: one read
     n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
     if n < 2 or n > min(MAX_HEADER_BYTES, s.size - 8):
         raise Bad(
@@ -142,7 +180,7 @@ def check_header(s: ShardState) -> None:
             f"file, or truncated; {FIX}"
         )
     try:
-        header = json.loads(head[8 : 8 + n] if 8 + n <= len(head) else os.pread(s.fd, n, 8))
+        header = json.loads(head[8 : 8 + n] if 8 + n <= len(head) else s.src.pread(n, 8))
         s.raw_meta = header.pop("__metadata__", None)
         s.data_start = 8 + n
         s.tensors = {
@@ -325,7 +363,7 @@ def check_checksum(s: ShardState) -> None:
         item = ST_ITEMSIZE.get(span.dtype, 1) if span else 1
         step = max(item, len(buf) // item * item)
         for pos in range(start, end, step):
-            n = os.preadv(s.fd, [buf[: min(step, end - pos)]], pos)
+            n = s.src.readinto(buf[: min(step, end - pos)], pos)
             if n != min(step, end - pos):
                 raise Bad(f"file ended at byte {pos + n}, expected {s.size} bytes (truncated while reading); {FIX}")
             h.update(buf[:n])

@@ -16,6 +16,7 @@ next extraction run re-extracts them.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +31,18 @@ from eyas.shards.encoding import ShardEncoding, extract_encoding
 from eyas.shards.format import SHARD_NAME_RE, shard_files
 from eyas.shards.manifest import ManifestRow, coverage_problems, drop_manifest_rows, read_manifest
 from eyas.shards.shard_set import quarantine_shards
-from eyas.verify.checks import CHEAP_CHECKS, FIX, FULL_CHECKS, Bad, ExpectedShardMeta, ShardState, VerifyContext
+from eyas.storage import Storage, as_storage
+from eyas.verify.checks import (
+    CHEAP_CHECKS,
+    FIX,
+    FULL_CHECKS,
+    Bad,
+    ExpectedShardMeta,
+    FileBytes,
+    RangeBytes,
+    ShardState,
+    VerifyContext,
+)
 from eyas.verify.report import ShardReportRow, VerifyReport, failed_check, write_verify_report
 
 DEFAULT_CHUNK_BYTES = 512 << 10  # fits a core's L2 cache: read once from memory, then hashed and tested in cache
@@ -66,10 +78,22 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"verify mode {mode!r}: expected 'cheap' or 'full'")
 
 
-def verify_shard(path: str | Path, *, row: ManifestRow | None, ctx: VerifyContext, mode: str) -> ShardReportRow:
-    """Run the mode's checks on one shard file, stopping at the first failure."""
-    t0, path = time.perf_counter(), os.fspath(path)
-    s = ShardState(path=path, name=os.path.basename(path), row=row, ctx=ctx)
+def verify_shard(
+    path: str | Path | None = None,
+    *,
+    row: ManifestRow | None,
+    ctx: VerifyContext,
+    mode: str,
+    name: str = "",
+    opener: Callable[[], FileBytes | RangeBytes] | None = None,
+) -> ShardReportRow:
+    """Run the mode's checks on one shard (a local file, or `name` read through `opener`), stopping at the
+    first failure."""
+    t0 = time.perf_counter()
+    if opener is None:
+        path = os.fspath(path)
+        name, opener = os.path.basename(path), lambda: FileBytes(path)
+    s = ShardState(name=name, row=row, ctx=ctx, opener=opener)
     passed, reason = [], ""
     try:
         for name, check in FULL_CHECKS if mode == "full" else CHEAP_CHECKS:
@@ -80,8 +104,8 @@ def verify_shard(path: str | Path, *, row: ManifestRow | None, ctx: VerifyContex
     except OSError as e:  # a read that fails (EIO, permissions) is this shard's fault, not the run's
         reason = f"{s.name}: reading it failed ({e}); check the disk, then {FIX}"
     finally:
-        if s.fd is not None:
-            os.close(s.fd)
+        if s.src is not None:
+            s.src.close()
     match = SHARD_NAME_RE.match(s.name)
     return ShardReportRow(
         shard=row.shard_index if row else int(match.group(1)) if match else -1,
@@ -97,7 +121,7 @@ def verify_shard(path: str | Path, *, row: ManifestRow | None, ctx: VerifyContex
 
 def verify_shards(
     *,
-    shards_dir: str | Path,
+    shards_dir: str | Path | Storage,
     tokenized_path: str | Path,
     expected: ExpectedShardMeta,
     mode: Literal["cheap", "full"] = "full",
@@ -106,13 +130,20 @@ def verify_shards(
     progress: Callable[[dict], None] | None = None,
 ) -> VerifyReport:
     """Verify every manifest row and every shard file in `shards_dir` on `num_workers` threads
-    (0 = one per core), reading at most `chunk_bytes` per thread at a time; never raises for bad shards."""
+    (0 = one per core), reading at most `chunk_bytes` per thread at a time; never raises for bad shards.
+
+    `shards_dir` may be a storage without a local path (S3): cheap mode then reads each header and the small
+    tensors it checks by range requests; full mode streams each shard into a temporary file (one per thread,
+    unlinked once open, so a crash leaves nothing) and checks it there."""
     _check_mode(mode)
     if num_workers < 0 or chunk_bytes < 1 << 12:
         raise ValueError(f"verify_shards: num_workers={num_workers} must be >= 0 and chunk_bytes={chunk_bytes} >= 4096")
-    t0, shards_dir = time.perf_counter(), Path(shards_dir)
-    if not shards_dir.is_dir():
-        raise FileNotFoundError(f"shards dir {shards_dir}: no such directory; run extraction first")
+    t0 = time.perf_counter()
+    store = as_storage(shards_dir)
+    if store.local_path() is not None:
+        shards_dir = store.local_path()
+        if not shards_dir.is_dir():
+            raise FileNotFoundError(f"shards dir {shards_dir}: no such directory; run extraction first")
     tokenized_path = Path(tokenized_path)
     if not tokenized_path.is_file():
         raise FileNotFoundError(f"tokenized dataset {tokenized_path}: no such file; run the dataset stage first")
@@ -120,14 +151,32 @@ def verify_shards(
     dataset = TokenizedDataset(tokenized_path) if mode == "full" else None
     token_starts = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
     ctx = VerifyContext(expected, dataset, token_starts, chunk_bytes)
-    manifest = read_manifest(shards_dir)
+    manifest = read_manifest(store)
     by_file = {r.file: r for r in manifest}
-    files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
+    if store.local_path() is not None:
+        root = str(shards_dir)
+        files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
 
-    def batch(names: list[str]) -> list[ShardReportRow]:
-        return [verify_shard(os.path.join(root, n), row=by_file.get(n), ctx=ctx, mode=mode) for n in names]
+        def batch(names: list[str]) -> list[ShardReportRow]:
+            return [verify_shard(os.path.join(root, n), row=by_file.get(n), ctx=ctx, mode=mode) for n in names]
+    else:
+        listing = {n: size for n, size in store.list().items() if n.endswith(".safetensors")}
+        files = sorted(set(listing) | set(by_file))
+        spool = tempfile.TemporaryDirectory(prefix="eyas-verify-")
 
-    root, workers = str(shards_dir), num_workers or os.cpu_count() or 1
+        def batch(names: list[str]) -> list[ShardReportRow]:
+            return [
+                verify_shard(
+                    row=by_file.get(n),
+                    ctx=ctx,
+                    mode=mode,
+                    name=n,
+                    opener=_remote_opener(store, n, listing, mode, spool.name),
+                )
+                for n in names
+            ]
+
+    workers = num_workers or os.cpu_count() or 1
     # contiguous batches, several per thread: few hand-offs for tiny shards, balanced for big ones
     size = max(1, min(64, len(files) // (4 * workers)))
     rows: list[ShardReportRow] = []
@@ -136,7 +185,9 @@ def verify_shards(
             rows += done
             if progress is not None:
                 progress({"shards_done": len(rows), "shards_total": len(files), "bad": len(rows) - _num_ok(rows)})
-    problems = coverage_problems(manifest, len(lengths), where=str(shards_dir))
+    if store.local_path() is None:
+        spool.cleanup()
+    problems = coverage_problems(manifest, len(lengths), where=store.url)
     dataset_hash = read_dataset_hash(tokenized_path)
     if dataset_hash != expected.dataset_hash:
         problems.append(
@@ -144,6 +195,26 @@ def verify_shards(
             f"{expected.dataset_hash!r}; verify against the dataset the run extracted from"
         )
     return VerifyReport(mode=mode, rows=rows, problems=problems, seconds=time.perf_counter() - t0)
+
+
+def _remote_opener(store: Storage, name: str, listing: dict[str, int], mode: str, spool: str):
+    """How a shard in storage is read: by range requests (cheap), or streamed whole into a temporary file of
+    `spool` (full: every byte is read anyway; the file is unlinked as soon as it is open)."""
+
+    def opener() -> FileBytes | RangeBytes:
+        if name not in listing:
+            raise FileNotFoundError(f"{store.url}/{name}")
+        if mode == "cheap":
+            return RangeBytes(store, name, listing[name])
+        fd, tmp = tempfile.mkstemp(dir=spool, suffix=".safetensors")
+        os.close(fd)
+        try:
+            store.download_to(name, tmp)
+            return FileBytes(tmp)
+        finally:
+            os.unlink(tmp)
+
+    return opener
 
 
 def _num_ok(rows: list[ShardReportRow]) -> int:

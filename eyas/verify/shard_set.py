@@ -15,6 +15,7 @@ next extraction run re-extracts them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -79,20 +80,11 @@ def _check_mode(mode: str) -> None:
 
 
 def verify_shard(
-    path: str | Path | None = None,
-    *,
-    row: ManifestRow | None,
-    ctx: VerifyContext,
-    mode: str,
-    name: str = "",
-    opener: Callable[[], FileBytes | RangeBytes] | None = None,
+    *, row: ManifestRow | None, ctx: VerifyContext, mode: str, name: str, opener: Callable[[], FileBytes | RangeBytes]
 ) -> ShardReportRow:
-    """Run the mode's checks on one shard (a local file, or `name` read through `opener`), stopping at the
-    first failure."""
+    """Run the mode's checks on one shard, `name`, read through `opener` (a local file or an object in storage),
+    stopping at the first failure."""
     t0 = time.perf_counter()
-    if opener is None:
-        path = os.fspath(path)
-        name, opener = os.path.basename(path), lambda: FileBytes(path)
     s = ShardState(name=name, row=row, ctx=ctx, opener=opener)
     passed, reason = [], ""
     try:
@@ -153,40 +145,32 @@ def verify_shards(
     ctx = VerifyContext(expected, dataset, token_starts, chunk_bytes)
     manifest = read_manifest(store)
     by_file = {r.file: r for r in manifest}
-    if store.local_path() is not None:
-        root = str(shards_dir)
-        files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
+    with contextlib.ExitStack() as stack:
+        if store.local_path() is not None:
+            files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
+
+            def opener_of(name: str) -> Callable[[], FileBytes | RangeBytes]:
+                return lambda: FileBytes(os.path.join(shards_dir, name))
+        else:
+            listing = {n: size for n, size in store.list().items() if n.endswith(".safetensors")}
+            files = sorted(set(listing) | set(by_file))
+            spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="eyas-verify-"))
+
+            def opener_of(name: str) -> Callable[[], FileBytes | RangeBytes]:
+                return _remote_opener(store, name, listing, mode, spool)
 
         def batch(names: list[str]) -> list[ShardReportRow]:
-            return [verify_shard(os.path.join(root, n), row=by_file.get(n), ctx=ctx, mode=mode) for n in names]
-    else:
-        listing = {n: size for n, size in store.list().items() if n.endswith(".safetensors")}
-        files = sorted(set(listing) | set(by_file))
-        spool = tempfile.TemporaryDirectory(prefix="eyas-verify-")
+            return [verify_shard(row=by_file.get(n), ctx=ctx, mode=mode, name=n, opener=opener_of(n)) for n in names]
 
-        def batch(names: list[str]) -> list[ShardReportRow]:
-            return [
-                verify_shard(
-                    row=by_file.get(n),
-                    ctx=ctx,
-                    mode=mode,
-                    name=n,
-                    opener=_remote_opener(store, n, listing, mode, spool.name),
-                )
-                for n in names
-            ]
-
-    workers = num_workers or os.cpu_count() or 1
-    # contiguous batches, several per thread: few hand-offs for tiny shards, balanced for big ones
-    size = max(1, min(64, len(files) // (4 * workers)))
-    rows: list[ShardReportRow] = []
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        for done in pool.map(batch, [files[i : i + size] for i in range(0, len(files), size)]):
-            rows += done
-            if progress is not None:
-                progress({"shards_done": len(rows), "shards_total": len(files), "bad": len(rows) - _num_ok(rows)})
-    if store.local_path() is None:
-        spool.cleanup()
+        workers = num_workers or os.cpu_count() or 1
+        # contiguous batches, several per thread: few hand-offs for tiny shards, balanced for big ones
+        size = max(1, min(64, len(files) // (4 * workers)))
+        rows: list[ShardReportRow] = []
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+            for done in pool.map(batch, [files[i : i + size] for i in range(0, len(files), size)]):
+                rows += done
+                if progress is not None:
+                    progress({"shards_done": len(rows), "shards_total": len(files), "bad": len(rows) - _num_ok(rows)})
     problems = coverage_problems(manifest, len(lengths), where=store.url)
     dataset_hash = read_dataset_hash(tokenized_path)
     if dataset_hash != expected.dataset_hash:

@@ -211,7 +211,8 @@ class ExtractConfig(StrictModel):
     storage_url: str = Field(
         default="",
         description="where shards are written: empty = the run's shards dir; s3://bucket/prefix = S3 (the run's "
-        "shards dir then holds a verified local copy for verification and training)",
+        "shards dir then holds a verified local copy for verification and training, unless train.cache_bytes > 0: "
+        "then no copy is kept and every later stage reads S3)",
     )
     s3_endpoint_url: str = Field(
         default="", description="S3 API endpoint (MinIO, a local server); empty = AWS or $AWS_ENDPOINT_URL"
@@ -326,8 +327,9 @@ class TrainConfig(StrictModel):
     cache_bytes: int = Field(
         default=0,
         ge=0,
-        description="0 = train from the full local copy of the shards (RUN/shards); N > 0 = every rank reads the "
-        "shards from where extraction stored them (extract.storage_url) through its own local cache of at most N "
+        description="0 = train from the full local copy of the shards (RUN/shards); N > 0 = no local copy is kept "
+        "(verification, diagnosis and status read extract.storage_url) and every rank reads the shards from there "
+        "through its own local cache of at most N "
         "bytes (OUTPUT/shard-cache/rank-R), fetched ahead of its sample order by a background thread, each shard "
         "checked against its manifest checksum; shards the rank needs latest are evicted first. Must hold the "
         "largest shard; pair it with shuffle_window_shards",

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from eyas.config import RunConfig
 from eyas.dataset.table import read_dataset_hash, sample_lengths, tokenized_num_samples
 from eyas.layer_ids import resolve_aux_layer_ids
-from eyas.storage import Storage, open_storage
+from eyas.storage import LocalStorage, Storage, open_storage
 from eyas.target import TargetFacts
 
 
@@ -32,7 +32,7 @@ class RunFacts(BaseModel):
     tokenized_path: str
     dataset_hash: str
     num_samples: int
-    shards_dir: str  # the run's local shards dir (verification and training read it); "" = none
+    shards_dir: str  # the run's local copy (RUN/shards); "" = none: the stages after extraction read storage_url
     storage_url: str  # where extraction writes: the local shards dir, or s3://bucket/prefix
     s3_endpoint_url: str = ""
 
@@ -48,9 +48,22 @@ class RunFacts(BaseModel):
         """The storage extraction writes to (a new client each call: safe to use from any thread)."""
         return open_storage(self.storage_url, endpoint_url=self.s3_endpoint_url)
 
+    def shards(self) -> Storage:
+        """Where the stages after extraction read the shards: the local copy, or the storage when none is kept."""
+        return LocalStorage(self.shards_dir) if self.shards_dir else self.storage()
+
     def sample_lengths(self) -> list[int]:
         """Tokens per sample, in dataset order (one column of the tokenized table, read once per process)."""
         return list(_lengths(self.tokenized_path, self.dataset_hash))
+
+
+def shard_source(config: RunConfig) -> Storage:
+    """Where the stages after extraction read a run's shards, from its config alone: the local copy extraction
+    keeps (RUN/shards), or with train.cache_bytes > 0 the S3 storage extraction writes (then no copy is kept:
+    verification streams or range-reads it, training reads it through the shard cache)."""
+    if config.train.cache_bytes:
+        return open_storage(config.extract.storage_url, endpoint_url=config.extract.s3_endpoint_url)
+    return LocalStorage(config.paths.shards_dir)
 
 
 @lru_cache(maxsize=4)
@@ -59,13 +72,14 @@ def _lengths(path: str, dataset_hash: str) -> tuple[int, ...]:
 
 
 def resolve_facts(config: RunConfig) -> RunFacts:
-    """The run's facts from its config, its target's files and its tokenized table (which must exist)."""
+    """The run's facts from its config, its target's files and its tokenized table (which must exist).
+    With train.cache_bytes > 0 no local copy is kept (shards_dir ""): see `shard_source`."""
     paths = config.paths
     return facts_for(
         target_path=config.target.model_path,
         tokenized_path=paths.tokenized,
         aux_layer_ids=config.target.aux_layer_ids,
-        shards_dir=paths.shards_dir,
+        shards_dir="" if config.train.cache_bytes else paths.shards_dir,
         storage_url=config.extract.storage_url,
         s3_endpoint_url=config.extract.s3_endpoint_url,
     )

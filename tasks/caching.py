@@ -20,6 +20,7 @@ they are declared.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -30,11 +31,13 @@ from prefect.cache_policies import TASK_SOURCE, CachePolicy
 from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 
-from eyas.checksum import checksum_file
+from eyas.checksum import checksum_bytes, checksum_file
 from eyas.config import RunConfig
 from eyas.dataset.build import dataset_cache_key
-from eyas.shards.manifest import MANIFEST_NAME
+from eyas.facts import shard_source
+from eyas.shards.manifest import MANIFEST_NAME, ROWS_DIR
 from eyas.shards.shard_set import LOCK_NAME, RUN_META_NAME
+from eyas.storage import Storage
 
 WORKDIR_ID = ".eyas-workdir-id"
 
@@ -60,7 +63,17 @@ def workdir_id(root: Path) -> str:
     return path.read_text().strip()
 
 
-def shard_files(shards_dir: Path, *, full: bool = False) -> str:
+def manifest_content(store: Storage) -> str:
+    """The manifest's content hash (local), or on S3 its objects' versions (ETag and LastModified change with
+    every write): the manifest lists every shard with its checksum, so it stands for the shards' bytes."""
+    root = store.local_path()
+    if root is not None:
+        return file_content(root / MANIFEST_NAME)
+    found = {n: v for n, v in store.versions().items() if n == MANIFEST_NAME} | store.versions(ROWS_DIR + "/")
+    return checksum_bytes(json.dumps(found, sort_keys=True).encode()) if found else "absent"
+
+
+def shard_files(shards: Path | Storage, *, full: bool = False) -> str:
     """Evidence that every file of the shard set is the one a cached result saw: for each file in the shard
     directory (shards and strays alike), its name, size, mtime and ctime (ctime cannot be set back by hand:
     any write or touch moves it) and the XXH3 of its first MiB (the safetensors header and the first data);
@@ -68,14 +81,16 @@ def shard_files(shards_dir: Path, *, full: bool = False) -> str:
     the file system knowing (bit rot, a device written under it) are verified again. A damaged, truncated,
     deleted, swapped or added file changes it, so the task runs again. The set's own bookkeeping is left out:
     the manifest (an input of its own), extract.json and the coordinator's lock file, which every extraction
-    run opens again."""
-    from eyas.checksum import checksum_bytes
-
-    shards_dir = Path(shards_dir)
+    run opens again. On S3 every object's size, ETag and LastModified stand for it: any write changes them,
+    and the store checks its own bytes (reading terabytes back to key a cache would cost what verifying does)."""
+    bookkeeping = {MANIFEST_NAME, LOCK_NAME, RUN_META_NAME}
+    if not isinstance(shards, Path) and shards.local_path() is None:
+        found = {n: v for n, v in shards.versions().items() if n not in bookkeeping}
+        return checksum_bytes(json.dumps(found, sort_keys=True).encode()) if found else "absent"
+    shards_dir = Path(shards) if isinstance(shards, Path) else shards.local_path()
     if not shards_dir.is_dir():
         return "absent"
     parts = []
-    bookkeeping = {MANIFEST_NAME, LOCK_NAME, RUN_META_NAME}
     for path in sorted(p for p in shards_dir.iterdir() if p.is_file() and p.name not in bookkeeping):
         st = path.stat()
         with open(path, "rb") as f:
@@ -91,10 +106,10 @@ INPUT_HASHES: dict[str, Callable[[RunConfig], str]] = {
     "prompts": lambda c: dataset_cache_key(c.dataset, c.target.model_path),
     "tokenized": lambda c: file_content(c.paths.tokenized),
     "vocab": lambda c: file_content(c.paths.vocab),
-    # the local manifest lists every shard with its checksum: it stands for the shards' bytes
-    "manifest": lambda c: file_content(c.paths.shards_dir / MANIFEST_NAME),
+    # the manifest of the shards the later stages read (eyas.facts.shard_source): it stands for their bytes
+    "manifest": lambda c: manifest_content(shard_source(c)),
     # the shard files themselves: a result is reused only for the very files it saw (shard_files)
-    "shard_files": lambda c: shard_files(c.paths.shards_dir, full=c.verify.mode == "full"),
+    "shard_files": lambda c: shard_files(shard_source(c), full=c.verify.mode == "full"),
 }
 
 

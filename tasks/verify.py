@@ -40,6 +40,6 @@ def verify_shard_set(config: RunConfig, facts: RunFacts, heal_round: int = 0) ->
 def quarantine_bad(config: RunConfig, facts: RunFacts, report: VerifyReport) -> list[str]:
     """Move the bad shards aside (with their reasons) and drop their manifest rows for re-extraction."""
     notes = quarantine_run(config, facts, report)
-    for note in notes:
-        print(f"quarantined: {note.read_text().strip()} -> {note.parent}")
-    return [str(n) for n in notes]
+    for reason, note in zip((report.bad_reasons[n] for n in sorted(report.bad_reasons)), notes):
+        print(f"quarantined: {reason} -> {note}")
+    return notes

@@ -109,3 +109,23 @@ def test_full_mode_evidence_sees_bytes_changed_without_the_file_system_knowing(t
     monkeypatch.setattr(Path, "stat", lambda self, **kw: before if self == shard else real_stat(self, **kw))
     assert shard_files(tmp_path) == cheap
     assert shard_files(tmp_path, full=True) != full
+
+
+def test_shard_evidence_on_s3_changes_with_any_write_and_leaves_bookkeeping_out(s3_bucket, s3_endpoint):
+    """With no local copy (train.cache_bytes > 0) the verification task's cache is keyed by the objects on S3:
+    a shard rewritten with the same size changes the evidence, the coordinator's extract.json does not, and a
+    manifest row added changes the manifest's."""
+    from eyas.storage.s3 import S3Storage
+    from tasks.caching import manifest_content, shard_files
+
+    store = S3Storage(f"s3://{s3_bucket}/shards", endpoint_url=s3_endpoint)
+    assert shard_files(store) == manifest_content(store) == "absent"
+    store.put_bytes("shard-00000.safetensors", b"a" * 4096)
+    store.put_bytes("manifest.parquet", b"m")
+    first, manifest = shard_files(store), manifest_content(store)
+    store.put_bytes("extract.json", b"{}")
+    assert shard_files(store) == first
+    store.put_bytes("shard-00000.safetensors", b"b" * 4096)
+    assert shard_files(store) != first
+    store.put_bytes("rows/shard-00001.json", b"{}")
+    assert manifest_content(store) != manifest

@@ -1,5 +1,6 @@
 """The extract-hidden-states flow against a real Prefect server: two concurrent worker tasks on disjoint
-shards, progress as an artifact; S3 as the shard store with a verified local copy, healed through S3."""
+shards, progress as an artifact; S3 as the shard store with a verified local copy, healed through S3; S3 with a
+shard cache and no local copy at all (verified, healed, trained and reported from S3)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,14 @@ from eyas.storage.s3 import S3Storage
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
 
-def _config(tmp_path, tiny_target_dir, random_target_dir, **extract):
+def _config(tmp_path, tiny_target_dir, random_target_dir, train=None, **extract):
     base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
-    config = base.model_copy(
-        update={
-            "workdir": str(tmp_path / "run"),
-            "target": base.target.model_copy(update={"model_path": str(random_target_dir)}),
-            "extract": base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 4, **extract}),
-        }
-    )
+    data = base.model_dump()
+    data["workdir"] = str(tmp_path / "run")
+    data["target"]["model_path"] = str(random_target_dir)
+    data["extract"].update({"shard_bytes": 1 << 16, "batch_size": 4, **extract})
+    data["train"].update(train or {})
+    config = type(base).model_validate(data)  # validated whole: train.cache_bytes needs an s3 storage_url
     rng = random.Random(5)
     samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 20))] for _ in range(24)]
     config.paths.dataset_dir.mkdir(parents=True)
@@ -191,3 +191,60 @@ def test_retried_worker_task_extracts_only_the_shards_its_failed_attempt_left(
     assert len(first) > 3 and second == first[2:]  # the retry skipped the two recorded shards
     assert summary["shards_already_recorded"] == 2
     assert sorted(r.shard_index for r in read_manifest(config.paths.shards_dir)) == first
+
+
+def test_s3_shards_with_a_cache_keep_no_local_copy(
+    prefect_server, s3_bucket, s3_endpoint, tmp_path, tiny_target_dir, random_target_dir
+):
+    """train.cache_bytes > 0: extraction copies nothing to RUN/shards; verification reads S3, quarantines a bad
+    shard on S3 (moved to quarantine/ beside its reason), re-extracts it there; training reads S3 through its
+    cache; eyas status counts the shards on S3."""
+    import tempfile
+    from pathlib import Path
+
+    from eyas.dataset.vocab import build_vocab
+    from eyas.shards.manifest import write_manifest
+    from eyas.status.report import run_status
+    from flows.extract import extract_flow
+    from flows.train import train_flow
+    from flows.verify import verify_flow
+
+    url = f"s3://{s3_bucket}/runs/nocopy/shards"
+    train = {"cache_bytes": 4 << 16, "shuffle_window_shards": 1, "max_steps": 3, "save_every_steps": 2}
+    config = _config(tmp_path, tiny_target_dir, random_target_dir, train, storage_url=url, s3_endpoint_url=s3_endpoint)
+    summary = extract_flow(config)
+    store = S3Storage(url, endpoint_url=s3_endpoint)
+    rows = read_manifest(store)
+    assert summary["storage"] == url and summary["local_copy"] == {"fetched": 0, "kept": 0} and len(rows) > 4
+    assert not config.paths.shards_dir.exists()
+
+    with tempfile.TemporaryDirectory() as tmp:  # shard 1 on S3 gets a NaN, its row the damaged bytes' checksum
+        store.download_to(shard_filename(1), Path(tmp) / "s")
+        tensors, meta = load_shard(Path(tmp) / "s")
+        tensors = {k: v.clone() for k, v in tensors.items()}
+    tensors["aux_hidden_states"][0, 0] = math.nan
+    damaged = write_shard(store, tensors, meta)
+    write_manifest(store, [damaged if r.shard_index == 1 else r for r in rows])
+
+    healed = verify_flow(config)
+    assert (healed["bad"], healed["quarantined"], healed["heal_rounds"]) == (0, 1, 1)
+    quarantined = store.list("quarantine/")
+    notes = [n for n in quarantined if n.endswith(".reason.txt")]
+    assert len(notes) == 1 and notes[0].startswith(f"quarantine/{shard_filename(1)}.")
+    assert "aux_hidden_states has non-finite values" in store.get_bytes(notes[0]).decode()
+    assert quarantined[notes[0].removesuffix(".reason.txt")] == damaged.num_bytes  # the bad bytes kept aside
+    again = read_manifest(store)
+    assert [r.shard_index for r in again] == [r.shard_index for r in rows]
+    assert again[1].checksum == rows[1].checksum != damaged.checksum  # extracted again, as it first was
+
+    build_vocab(config)
+    final = train_flow(config, require_approval=False)
+    assert final["step"] == 3
+    assert not config.paths.shards_dir.exists()
+    assert (config.paths.train_dir / "shard-cache" / "rank-0").is_dir()
+
+    status = run_status(config)
+    extract = status.stage("extract")
+    assert extract.state == "done", extract
+    assert f"in {url}, no local copy" in extract.detail and extract.evidence == f"{url}/manifest.parquet"
+    assert {f["what"]: f["path"] for f in status.files}["manifest"] == f"{url}/manifest.parquet"

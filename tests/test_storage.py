@@ -40,6 +40,27 @@ def test_put_get_list_delete_round_trip(store):
     assert not store.exists("rows/shard-00000.json") and store.exists("shard-00000.safetensors")
 
 
+def test_move_keeps_the_bytes_and_their_checksum_under_the_new_name(store):
+    digest = store.put_bytes("shard-00001.safetensors", b"xyz" * 500)
+    store.move("shard-00001.safetensors", "quarantine/shard-00001.safetensors.T")
+    assert store.list() == {} and store.list("quarantine/") == {"quarantine/shard-00001.safetensors.T": 1500}
+    # read back without a checksum: on S3 the one recorded at write came along with the copy
+    assert store.get_bytes("quarantine/shard-00001.safetensors.T") == b"xyz" * 500
+    assert store.get_bytes("quarantine/shard-00001.safetensors.T", checksum=digest) == b"xyz" * 500
+    with pytest.raises(FileNotFoundError if isinstance(store, LocalStorage) else ClientError):
+        store.move("shard-00001.safetensors", "quarantine/again")
+
+
+def test_a_version_changes_when_an_object_is_written_again(store):
+    store.put_bytes("shard-00000.safetensors", b"a" * 100)
+    store.put_bytes("rows/shard-00000.json", b"{}")
+    first = store.versions()
+    assert sorted(first) == ["shard-00000.safetensors"] and sorted(store.versions("rows/")) == ["rows/shard-00000.json"]
+    assert store.versions() == first  # listing again changes nothing
+    store.put_bytes("shard-00000.safetensors", b"b" * 100)  # same size, other bytes
+    assert store.versions() != first
+
+
 def test_read_with_wrong_checksum_is_refused(store):
     store.put_bytes("a.bin", b"payload")
     with pytest.raises(

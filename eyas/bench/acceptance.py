@@ -39,8 +39,9 @@ from eyas.dataset.prompts import prompt_token_ids, read_prompts
 from eyas.draft import build_draft
 from eyas.export.drafter_dir import read_export_provenance
 from eyas.export.reader import load_exported_draft
+from eyas.facts import shard_source
 from eyas.fsio import atomic_write_text, read_json_record
-from eyas.shards.reader import ShardSamples
+from eyas.shards.shard_set import RUN_META_NAME, read_run_meta
 from eyas.target import check_remote_code, embed_weight, target_fingerprint
 
 BENCHMARK_FILE = "benchmark.json"
@@ -252,6 +253,15 @@ def write_benchmark_json(result: dict, path: str | Path) -> Path:
     return path
 
 
+def extracted_aux_layer_ids(config: RunConfig) -> list[int]:
+    """The canonical aux layer ids the run's shards were extracted at (their extract.json, local copy or S3)."""
+    store = shard_source(config)
+    run = read_run_meta(store)
+    if run is None:
+        raise FileNotFoundError(f"{store.url}/{RUN_META_NAME}: no extraction recorded; run extraction first")
+    return list(run.aux_layer_ids)
+
+
 def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
     """The stage entry: the configured engine on the held-out prompts; writes and returns benchmark.json's
     contents (plus "path"). The SGLang launch is linted against the layer ids the shards were extracted at."""
@@ -264,7 +274,7 @@ def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
             max_new_tokens=b.max_new_tokens,
             concurrency=b.sglang_concurrency,
             startup_timeout_s=b.sglang_startup_timeout_s,
-            shard_aux_layer_ids=list(ShardSamples(config.paths.shards_dir).meta.aux_layer_ids),
+            shard_aux_layer_ids=extracted_aux_layer_ids(config),
             log_dir=config.paths.bench_dir,
         )
     else:

@@ -15,6 +15,7 @@ about 1.0 the draft is fine and the serving side is wrong; when it is low, the d
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,11 +29,13 @@ from eyas.draft import DraftArch, ttt_loss
 from eyas.export.configs import read_config
 from eyas.export.keys import check_keys, expected_shapes
 from eyas.export.reader import load_exported_draft
+from eyas.facts import shard_source
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids, sglang_convention, target_layout
 from eyas.shards.format import ShardMeta, read_shard_layout
 from eyas.shards.manifest import MANIFEST_NAME, read_manifest
 from eyas.shards.reader import ShardSamples
+from eyas.storage import Storage, as_storage
 from eyas.target import load_embed_and_lm_head
 from eyas.train.data import collate
 
@@ -66,11 +69,11 @@ class Diagnosis:
         return "\n".join(["| check | result | detail |", "|---|---|---|", *rows, "", f"**{self.conclusion}**"])
 
 
-def _shard_widths(shards_dir: Path, draft_hidden: int | None) -> tuple[Check, ShardMeta | None]:
-    rows = read_manifest(shards_dir) if (shards_dir / MANIFEST_NAME).is_file() else []
+def _shard_widths(store: Storage, scratch: Path, draft_hidden: int | None) -> tuple[Check, ShardMeta | None]:
+    rows = read_manifest(store) if store.exists(MANIFEST_NAME) else []
     if not rows:
-        return Check("shard_widths", False, f"{shards_dir}: no shards in a manifest; extract first"), None
-    first = shards_dir / rows[0].file
+        return Check("shard_widths", False, f"{store.url}: no shards in a manifest; extract first"), None
+    first = _local_file(store, rows[0].file, scratch)
     try:
         meta, layout = read_shard_layout(first)
     except (OSError, ValueError) as err:  # unreadable or foreign: the check says so, the report goes on
@@ -88,6 +91,15 @@ def _shard_widths(shards_dir: Path, draft_hidden: int | None) -> tuple[Check, Sh
         return Check("shard_widths", False, detail), meta
     teacher = f"last {last_w}" if meta.teacher == "last_hidden" else f"teacher top-{meta.teacher_topk}"
     return Check("shard_widths", True, f"{first.name}: aux {aux_w} = {n} x {h}, {teacher}"), meta
+
+
+def _local_file(store: Storage, name: str, scratch: Path) -> Path:
+    """The shard's file: in place in a local directory, else downloaded into `scratch` (its header is read)."""
+    if store.local_path() is not None:
+        return store.local_path() / name
+    if not (scratch / name).is_file():
+        store.download_to(name, scratch / name)
+    return scratch / name
 
 
 def _export_tensors(export_dir: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
@@ -161,22 +173,39 @@ def _launch_flags(launch_argv: list[str] | None, shard_ids: list[int] | None) ->
     return Check("launch_flags", not problems, "; ".join(problems) or " ".join(launch_argv))
 
 
-def teacher_forced_accuracy(export_dir, shards_dir, target_path, *, num_samples: int, steps: int) -> list[float]:
+def teacher_forced_accuracy(
+    export_dir, shards, target_path, *, num_samples: int, steps: int, cache_dir=None, cache_bytes: int = 0
+) -> list[float]:
     """Top-1 agreement of the exported draft with the target over the draft vocab, per unroll step,
-    on the loss-masked tokens of the first num_samples shard samples (the training objective's accuracy)."""
+    on the loss-masked tokens of the first num_samples shard samples (the training objective's accuracy).
+    Shards on S3 are read through a shard cache of `cache_bytes` in `cache_dir`."""
     embed, lm_head = load_embed_and_lm_head(target_path)
     draft = load_exported_draft(export_dir, embed.float())
-    samples = ShardSamples(shards_dir)
-    chosen = [samples.load_sample(i) for i in range(min(num_samples, len(samples)))]
+    samples = ShardSamples(shards, cache_dir=cache_dir, cache_bytes=cache_bytes)
+    try:
+        ids = list(range(min(num_samples, len(samples))))
+        samples.plan(ids)
+        chosen = [samples.load_sample(i) for i in ids]
+    finally:
+        samples.close()
     batch = collate(chosen, max_len=draft.arch.max_position_embeddings - steps)
     with torch.no_grad():
         _, _, accs, _ = ttt_loss(draft, batch, lm_head[draft.t2d].float(), steps, 1.0)
     return [float(a) for a in accs]
 
 
-def _accuracy_check(export_dir, shards_dir, target_path, num_samples, steps, min_accuracy) -> Check:
+def _accuracy_check(export_dir, shards, target_path, num_samples, steps, min_accuracy, cache) -> Check:
     try:
-        accs = teacher_forced_accuracy(export_dir, shards_dir, target_path, num_samples=num_samples, steps=steps)
+        cache_dir, cache_bytes = cache
+        accs = teacher_forced_accuracy(
+            export_dir,
+            shards,
+            target_path,
+            num_samples=num_samples,
+            steps=steps,
+            cache_dir=cache_dir,
+            cache_bytes=cache_bytes,
+        )
     except ValueError as err:  # a broken export or shard: its own check names the cause
         return Check("teacher_forced_accuracy", False, f"could not run the draft on the shards: {err}")
     shown = ", ".join(f"{a:.2f}" for a in accs)
@@ -189,22 +218,29 @@ def _accuracy_check(export_dir, shards_dir, target_path, num_samples, steps, min
 def diagnose(
     *,
     export_dir: str | Path,
-    shards_dir: str | Path,
+    shards_dir: str | Path | Storage,
     target_path: str | Path,
     tau: float | None,
     launch_argv: list[str] | None = None,
     num_samples: int = 8,
     steps: int = 3,
     min_accuracy: float = 0.3,
+    cache_bytes: int = 0,
 ) -> Diagnosis:
-    """Run every check; each names what it found and the fix. Never raises for a failed check."""
-    export_dir, shards_dir = Path(export_dir), Path(shards_dir)
+    """Run every check; each names what it found and the fix. Never raises for a failed check. `shards_dir`
+    may be a storage without a local path (S3): its first shard's header is read from a download, the samples
+    through a shard cache of `cache_bytes`, both in a temporary directory removed at the end."""
+    export_dir, store = Path(export_dir), as_storage(shards_dir)
+    if store.local_path() is None and not cache_bytes:
+        raise ValueError(f"diagnose: shards {store.url} are not local; pass cache_bytes (the run's train.cache_bytes)")
     config, shapes = _export_tensors(export_dir)
-    widths, shard_meta = _shard_widths(shards_dir, config.get("hidden_size"))
-    checks = [widths, *_export_checks(export_dir, config, shapes), _layer_ids(config, shard_meta, target_path)]
-    shard_ids = list(shard_meta.aux_layer_ids) if shard_meta is not None else None
-    checks.append(_launch_flags(launch_argv, shard_ids))
-    checks.append(_accuracy_check(export_dir, shards_dir, target_path, num_samples, steps, min_accuracy))
+    with tempfile.TemporaryDirectory(prefix="eyas-diagnose-") as scratch:
+        widths, shard_meta = _shard_widths(store, Path(scratch), config.get("hidden_size"))
+        checks = [widths, *_export_checks(export_dir, config, shapes), _layer_ids(config, shard_meta, target_path)]
+        shard_ids = list(shard_meta.aux_layer_ids) if shard_meta is not None else None
+        checks.append(_launch_flags(launch_argv, shard_ids))
+        cache = (Path(scratch) / "shard-cache", cache_bytes) if store.local_path() is None else (None, 0)
+        checks.append(_accuracy_check(export_dir, store, target_path, num_samples, steps, min_accuracy, cache))
     report = Diagnosis(tau=tau, checks=checks)
     report.conclusion = _conclusion(report)
     return report
@@ -230,13 +266,14 @@ def diagnose_run(config: RunConfig, export_dir: str | Path, result: dict) -> Dia
     b = config.bench
     report = diagnose(
         export_dir=export_dir,
-        shards_dir=config.paths.shards_dir,
+        shards_dir=shard_source(config),
         target_path=config.target.model_path,
         tau=result["tau_mean"],
         launch_argv=result.get("launch_command"),
         num_samples=b.diagnose_num_samples,
         steps=b.num_steps,
         min_accuracy=b.min_teacher_forced_accuracy,
+        cache_bytes=config.train.cache_bytes,
     )
     path = config.paths.bench_dir / DIAGNOSIS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ last hidden state (width H). `run_extraction` is the only coordinator: it takes 
 (eyas.extract.plan), hands the missing shards to `launch` (by default threads of this process; the
 Prefect tasks start concurrent tasks or flow runs on a work pool), follows them through the
 manifest in storage (so remote workers count) until every one has ended, then checks that every
-planned shard has exactly one row and brings the run's local copy up to date (eyas.shards.sync).
+planned shard has exactly one row and brings the run's local copy up to date (eyas.shards.sync) when
+the run keeps one (facts.shards_dir; none with train.cache_bytes > 0).
 """
 
 from __future__ import annotations

@@ -85,19 +85,10 @@ def check_manifest_against_plan(
 
 
 def set_aside_damaged(store: Storage, damaged: dict[str, str]) -> list[str]:
-    """Shards whose file no longer matches its manifest row: on a local directory they are quarantined with the
-    reason (eyas.shards.shard_set.quarantine_shards: moved aside, row dropped) and extracted again; elsewhere
-    the extraction is refused with the fix (quarantine works on a local directory only)."""
-    if not damaged:
-        return []
-    where = store.local_path()
-    if where is None:
-        first = next(iter(damaged.values()))
-        raise FileNotFoundError(
-            f"{store.url}/{first}; {len(damaged)} such shard(s): run verification, which quarantines them "
-            "(eyas.shards.shard_set.quarantine_shards), then extract again"
-        )
-    quarantine_shards(where, damaged)
+    """Shards whose file no longer matches its manifest row are quarantined with the reason
+    (eyas.shards.shard_set.quarantine_shards: moved aside, row dropped) and extracted again."""
+    if damaged:
+        quarantine_shards(store, damaged)
     return [damaged[name] for name in sorted(damaged)]
 
 

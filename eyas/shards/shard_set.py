@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
-from eyas.fsio import TMP_MARKER, atomic_write_bytes, fsync_path
+from eyas.fsio import TMP_MARKER
 from eyas.shards.encoding import ShardEncoding
 from eyas.shards.format import ShardMeta, ShardPlan
 from eyas.shards.manifest import ManifestRow, drop_manifest_rows, read_manifest
@@ -154,32 +154,29 @@ def extraction_lock_held(lock_path: Path) -> bool:
 QUARANTINE_REASON_SUFFIX = ".reason.txt"
 
 
-def quarantine_shards(shards_dir: Path, reasons: Mapping[str, str]) -> list[Path]:
-    """Move each named shard file (a key of `reasons`) of a local directory into `quarantine/` as
-    `NAME.STAMP`, beside `NAME.STAMP.reason.txt` holding its reason, and drop its manifest row, so that
-    the next extraction re-extracts it. A file already gone still gets its reason file. Returns the
-    reason files."""
-    shards_dir = Path(shards_dir)
-    qdir = shards_dir / QUARANTINE_DIR
-    qdir.mkdir(exist_ok=True)
+def quarantine_shards(where: "str | Path | Storage", reasons: Mapping[str, str]) -> list[str]:
+    """Move each named shard (a key of `reasons`) into `quarantine/` as `NAME.STAMP`, beside
+    `NAME.STAMP.reason.txt` holding its reason, and drop its manifest row, so that the next extraction
+    re-extracts it. A local directory renames the file; S3 copies it on the server, then deletes it. A shard
+    already gone still gets its reason. Returns the reason objects' names (under the storage)."""
+    store = as_storage(where)
     stamp = time.strftime("%Y%m%dT%H%M%S")
+    present, taken = store.list(), set(store.list(QUARANTINE_DIR + "/"))
     written = []
     for name, reason in sorted(reasons.items()):
         if not reason:
-            raise ValueError(f"quarantine {shards_dir / name}: empty reason; say why the shard is set aside")
-        dst, k = qdir / f"{name}.{stamp}", 1
-        while dst.exists() or dst.with_name(dst.name + QUARANTINE_REASON_SUFFIX).exists():
-            dst, k = qdir / f"{name}.{stamp}-{k}", k + 1
-        src = shards_dir / name
-        found = src.exists()
+            raise ValueError(f"quarantine {store.url}/{name}: empty reason; say why the shard is set aside")
+        dst, k = f"{QUARANTINE_DIR}/{name}.{stamp}", 1
+        while dst in taken or dst + QUARANTINE_REASON_SUFFIX in taken:
+            dst, k = f"{QUARANTINE_DIR}/{name}.{stamp}-{k}", k + 1
+        found = name in present
         if found:
-            os.replace(src, dst)
-        note = dst.with_name(dst.name + QUARANTINE_REASON_SUFFIX)
-        atomic_write_bytes(note, (reason + "\n" + ("" if found else "(the file was already missing)\n")).encode())
+            store.move(name, dst)
+        note = dst + QUARANTINE_REASON_SUFFIX
+        store.put_bytes(note, (reason + "\n" + ("" if found else "(the file was already missing)\n")).encode())
+        taken |= {dst, note}
         written.append(note)
-    fsync_path(qdir)
-    fsync_path(shards_dir)
-    drop_manifest_rows(shards_dir, list(reasons))
+    drop_manifest_rows(store, list(reasons))
     return written
 
 
@@ -202,17 +199,18 @@ class ShardSetState:
         return self.run is not None and len(self.rows) == self.run.num_shards
 
 
-def shard_set_state(shards_dir: str | Path) -> ShardSetState:
-    """The state of the shard set in `shards_dir` (a local directory)."""
-    root = Path(shards_dir)
-    if not root.is_dir():
+def shard_set_state(where: "str | Path | Storage") -> ShardSetState:
+    """The state of the shard set in a local directory or a storage. On S3 no lock is seen and interrupted
+    writes (unfinished uploads, removed by the next extraction) are not counted."""
+    store = as_storage(where)
+    root = store.local_path()
+    if root is not None and not root.is_dir():
         return ShardSetState(run=None)
-    qdir = root / QUARANTINE_DIR
-    reasons = sorted(qdir.glob(f"*{QUARANTINE_REASON_SUFFIX}")) if qdir.is_dir() else []
+    notes = sorted(n for n in store.list(QUARANTINE_DIR + "/") if n.endswith(QUARANTINE_REASON_SUFFIX))
     return ShardSetState(
-        run=read_run_meta(root),
-        rows=read_manifest(root),
-        interrupted_writes=sum(1 for p in root.rglob(f".*{TMP_MARKER}*") if p.is_file()),
-        quarantine_reasons=[p.read_text().strip() for p in reasons],
-        running_here=extraction_lock_held(root / LOCK_NAME),
+        run=read_run_meta(store),
+        rows=read_manifest(store),
+        interrupted_writes=sum(1 for p in root.rglob(f".*{TMP_MARKER}*") if p.is_file()) if root else 0,
+        quarantine_reasons=[store.get_bytes(n).decode().strip() for n in notes],
+        running_here=extraction_lock_held(root / LOCK_NAME) if root else False,
     )

@@ -4,7 +4,8 @@ With `extract.storage_url` empty the shards are written straight into the run's 
 `s3://bucket/prefix` they are written to S3 (which outlives the machine) and `sync_to_local`
 downloads into the run's shards dir every shard whose local copy is missing or of another size,
 each checked against its manifest checksum as it arrives (eyas.storage retries a damaged read, then
-refuses it), then writes the local manifest.
+refuses it), then writes the local manifest. With `train.cache_bytes` > 0 no copy is made
+(eyas.facts.shard_source): verification reads S3 and training reads it through the shard cache.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from eyas.dataset.table import read_tokenized_meta, tokenized_num_samples
 from eyas.dataset.vocab import vocab_sizes
 from eyas.export.convert import SGLANG_EXPORT
 from eyas.export.drafter_dir import MODEL_FILE, export_state
+from eyas.facts import shard_source
 from eyas.gate.approval import (
     APPROVAL_RECORD,
     REJECTION_RECORD,
@@ -25,6 +26,7 @@ from eyas.gate.approval import (
 from eyas.shards.encoding import extract_encoding
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
+from eyas.storage import LocalStorage
 from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, train_state
 from eyas.train.data import total_steps
 from eyas.train.launch import JOB_FILE, LOG_FILE
@@ -76,13 +78,34 @@ def probe_dataset(ctx: Context) -> tuple[str, str, str]:
     return DONE, f"{detail}, hash {content_hash}; draft vocab {draft_vocab:,}", ctx.rel(paths.tokenized)
 
 
+def _shards_read_from_storage(ctx: Context) -> bool:
+    """Whether the run keeps no local copy of its shards (train.cache_bytes > 0: the later stages read S3)."""
+    return ctx.config is not None and ctx.config.train.cache_bytes > 0
+
+
+def _remote_read(store, read):
+    """`read(store)`, an S3 client's errors (an unreachable endpoint, a refused request) as the OSError that makes
+    the stage unreadable in the report instead of ending it."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return read(store)
+    except (BotoCoreError, ClientError) as err:
+        raise OSError(f"{store.url}: {type(err).__name__}: {err}") from err
+
+
 def probe_extract(ctx: Context) -> tuple[str, str, str]:
-    shards = ctx.paths.shards_dir
-    state = shard_set_state(shards)
+    remote = _shards_read_from_storage(ctx)
+    store = shard_source(ctx.config) if remote else LocalStorage(ctx.paths.shards_dir)
+
+    def where(name: str) -> str:
+        return f"{store.url}/{name}" if remote else ctx.rel(ctx.paths.shards_dir / name)
+
+    state = _remote_read(store, shard_set_state) if remote else shard_set_state(store)
     rows = state.rows
     ctx.manifest_files = {r.file for r in rows}
     if state.run is None:
-        return NOT_STARTED, "no extraction recorded", ctx.rel(shards / RUN_META_NAME)
+        return NOT_STARTED, "no extraction recorded", where(RUN_META_NAME)
     planned = state.num_planned
     ctx.progress["shards"] = {
         "done": len(rows),
@@ -98,17 +121,19 @@ def probe_extract(ctx: Context) -> tuple[str, str, str]:
         f"{len(rows):,} of {planned:,} shards ({ctx.progress['shards']['tokens_done']:,} tokens, "
         f"{state.run.encoding.label()})"
     )
-    if ctx.config is not None and ctx.config.extract.storage_url:
+    if remote:
+        detail += f"; in {store.url}, no local copy (train.cache_bytes)"
+    elif ctx.config is not None and ctx.config.extract.storage_url:
         detail += f"; written to {ctx.config.extract.storage_url}, counted here from the local copy"
-    mismatch = extract_mismatch(ctx, state.run)
+    mismatch = extract_mismatch(ctx, state.run, store.url)
     if mismatch:
-        return STALE, f"{detail}; {mismatch}", ctx.rel(shards / RUN_META_NAME)
+        return STALE, f"{detail}; {mismatch}", where(RUN_META_NAME)
     if state.running_here:
-        return RUNNING, f"{detail}; an extraction holds {LOCK_NAME} now", ctx.rel(shards / RUN_META_NAME)
-    return (DONE if state.complete else PARTIAL), detail, ctx.rel(shards / MANIFEST_NAME)
+        return RUNNING, f"{detail}; an extraction holds {LOCK_NAME} now", where(RUN_META_NAME)
+    return (DONE if state.complete else PARTIAL), detail, where(MANIFEST_NAME)
 
 
-def extract_mismatch(ctx: Context, run: ExtractRunMeta) -> str:
+def extract_mismatch(ctx: Context, run: ExtractRunMeta, where: str) -> str:
     """What extract.json records that the config (or the tokenized dataset) now contradicts; '' if nothing."""
     wanted = {}
     if ctx.config is not None:
@@ -126,7 +151,7 @@ def extract_mismatch(ctx: Context, run: ExtractRunMeta) -> str:
         return ""
     return (
         f"{RUN_META_NAME} records other parameters ({'; '.join(diffs)}): a resume is refused; use a new workdir or "
-        f"move {ctx.paths.shards_dir} aside"
+        f"move {where} aside"
     )
 
 
@@ -288,6 +313,10 @@ def file_table(ctx: Context) -> list[dict]:
         ("low-tau diagnosis", p.bench_dir / DIAGNOSIS_FILE),
     ]
     rows = [{"what": what, "path": str(path), "exists": path.exists()} for what, path in entries]
-    if ctx.config is not None and ctx.config.extract.storage_url:
+    if _shards_read_from_storage(ctx):  # no local copy: the shard set's rows name the objects (not probed here)
+        url = ctx.config.extract.storage_url.rstrip("/")
+        for row, name in zip(rows[5:9], ("", RUN_META_NAME, MANIFEST_NAME, QUARANTINE_DIR)):
+            row["path"], row["exists"] = f"{url}/{name}" if name else url, None
+    elif ctx.config is not None and ctx.config.extract.storage_url:
         rows.insert(6, {"what": "shards (source)", "path": ctx.config.extract.storage_url, "exists": None})
     return rows

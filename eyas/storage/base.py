@@ -32,9 +32,16 @@ class Storage(Protocol):
     def list(self, prefix: str = "") -> dict[str, int]:
         """{name: size} of the complete objects directly under `prefix` ("" or "dir/"; not recursive)."""
 
+    def versions(self, prefix: str = "") -> dict[str, str]:
+        """{name: version} of the objects `list` returns; a version changes whenever the object is written
+        again (local: size, mtime and ctime; S3: size, ETag and LastModified)."""
+
     def exists(self, name: str) -> bool: ...
 
     def delete(self, name: str) -> None: ...
+
+    def move(self, name: str, to: str) -> None:
+        """Give object `name` the name `to` (local: one rename; S3: a server-side copy, then the delete)."""
 
     def remove_partial(self) -> list[str]:
         """Delete leftovers of interrupted writes; return their names."""

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from eyas.checksum import checksum_bytes
-from eyas.fsio import TMP_MARKER, atomic_write_bytes
+from eyas.fsio import TMP_MARKER, atomic_write_bytes, fsync_path
 from eyas.storage.base import check_checksum
 
 
@@ -43,6 +43,12 @@ class LocalStorage:
         shutil.copyfile(self._path(name), path)
 
     def list(self, prefix: str = "") -> dict[str, int]:
+        return {name: st.st_size for name, st in self._stats(prefix).items()}
+
+    def versions(self, prefix: str = "") -> dict[str, str]:
+        return {name: f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}" for name, st in self._stats(prefix).items()}
+
+    def _stats(self, prefix: str) -> dict[str, os.stat_result]:
         base = self._path(prefix) if prefix else self.root
         if not base.is_dir():
             return {}
@@ -50,7 +56,7 @@ class LocalStorage:
         with os.scandir(base) as entries:
             for e in entries:
                 if e.is_file() and TMP_MARKER not in e.name:
-                    out[f"{prefix.rstrip('/')}/{e.name}" if prefix else e.name] = e.stat().st_size
+                    out[f"{prefix.rstrip('/')}/{e.name}" if prefix else e.name] = e.stat()
         return out
 
     def exists(self, name: str) -> bool:
@@ -58,6 +64,13 @@ class LocalStorage:
 
     def delete(self, name: str) -> None:
         self._path(name).unlink(missing_ok=True)
+
+    def move(self, name: str, to: str) -> None:
+        src, dst = self._path(name), self._path(to)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
+        fsync_path(dst.parent)
+        fsync_path(src.parent)
 
     def remove_partial(self) -> list[str]:
         strays = []

@@ -195,13 +195,22 @@ class S3Storage:
                 f.write(chunk)
 
     def list(self, prefix: str = "") -> dict[str, int]:
+        return {name: obj["Size"] for name, obj in self._objects(prefix).items()}
+
+    def versions(self, prefix: str = "") -> dict[str, str]:
+        return {
+            name: f"{obj['Size']}:{obj['ETag']}:{obj['LastModified'].isoformat()}"
+            for name, obj in self._objects(prefix).items()
+        }
+
+    def _objects(self, prefix: str) -> dict[str, dict]:
         out = {}
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/"
         )
         for page in pages:
             for obj in page.get("Contents", []):
-                out[obj["Key"][len(self.prefix) :]] = obj["Size"]
+                out[obj["Key"][len(self.prefix) :]] = obj
         return out
 
     def exists(self, name: str) -> bool:
@@ -215,6 +224,11 @@ class S3Storage:
 
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def move(self, name: str, to: str) -> None:
+        # a managed copy: one CopyObject, or a multipart copy above 5 GB; the metadata (checksum) comes along
+        self.client.copy({"Bucket": self.bucket, "Key": self._key(name)}, self.bucket, self._key(to))
+        self.delete(name)
 
     def remove_partial(self) -> list[str]:
         removed = []

@@ -205,21 +205,22 @@ def _num_ok(rows: list[ShardReportRow]) -> int:
     return sum(r.status == "ok" for r in rows)
 
 
-def quarantine_bad_shards(shards_dir: str | Path, report: VerifyReport) -> list[Path]:
+def quarantine_bad_shards(where: str | Path | Storage, report: VerifyReport) -> list[str]:
     """Move every bad shard of the report into `quarantine/` beside a `.reason.txt` holding its reason,
-    and drop its manifest row, so that the next extraction run re-extracts it. Returns the reason files.
+    and drop its manifest row, so that the next extraction run re-extracts it (a local directory or a
+    storage). Returns the reason objects' names.
 
     Refuses when every shard's metadata disagrees with the run config: then the config (or the
     directory) is wrong, not the shards, and re-extracting everything would not be a repair."""
     bad = [r for r in report.rows if r.status != "ok"]
     if len(bad) > 1 and len(bad) == len(report.rows) and all(failed_check(r) == "metadata" for r in bad):
         raise ShardVerificationError(
-            f"{shards_dir}: all {len(bad)} shards' metadata disagree with the run config (first: {bad[0].reason}); "
+            f"{as_storage(where).url}: all {len(bad)} shards' metadata disagree with the run config (first: {bad[0].reason}); "
             f"not quarantining: the config changed since extraction or points at another run's shards; fix the "
             f"config, or use a new shards_dir",
             report,
         )
-    return quarantine_shards(Path(shards_dir), report.bad_reasons)
+    return quarantine_shards(where, report.bad_reasons)
 
 
 def raise_if_bad(report: VerifyReport, *, heal_rounds: int | None = None) -> None:
@@ -237,10 +238,11 @@ def raise_if_bad(report: VerifyReport, *, heal_rounds: int | None = None) -> Non
 
 
 def verify_run(config: RunConfig, facts: RunFacts, *, progress: Callable[[dict], None] | None = None) -> VerifyReport:
-    """The stage entry: verify the run's local shards in the configured mode and write its report."""
+    """The stage entry: verify the run's shards (its local copy, or without one the storage) in the configured
+    mode and write its report."""
     v = config.verify
     report = verify_shards(
-        shards_dir=facts.shards_dir,
+        shards_dir=facts.shards(),
         tokenized_path=facts.tokenized_path,
         expected=expected_shard_meta(facts, extract_encoding(config.extract)),
         mode=v.mode,
@@ -252,10 +254,12 @@ def verify_run(config: RunConfig, facts: RunFacts, *, progress: Callable[[dict],
     return report
 
 
-def quarantine_run(config: RunConfig, facts: RunFacts, report: VerifyReport) -> list[Path]:
-    """Quarantine the report's bad shards; when extraction writes elsewhere (S3), drop their rows there too, so
-    that the next extraction writes them again. Returns the reason files."""
-    notes = quarantine_bad_shards(facts.shards_dir, report)
-    if config.extract.storage_url:  # the local copy is set aside; the source must re-extract them too
+def quarantine_run(config: RunConfig, facts: RunFacts, report: VerifyReport) -> list[str]:
+    """Quarantine the report's bad shards where they were verified; when that was a local copy of shards written
+    elsewhere (S3), drop their rows there too, so that the next extraction writes them again. Returns the
+    reason objects' URLs."""
+    store = facts.shards()
+    notes = quarantine_bad_shards(store, report)
+    if facts.shards_dir and config.extract.storage_url:  # the copy is set aside; the source must re-extract them
         drop_manifest_rows(facts.storage(), sorted(report.bad_reasons))
-    return notes
+    return [f"{store.url}/{n}" for n in notes]

@@ -200,11 +200,15 @@ def test_s3_shards_with_a_cache_keep_no_local_copy(
     shard on S3 (moved to quarantine/ beside its reason), re-extracts it there; training reads S3 through its
     cache; eyas status counts the shards on S3."""
     import tempfile
+    import threading
     from pathlib import Path
 
     from eyas.dataset.vocab import build_vocab
+    from eyas.facts import resolve_facts
     from eyas.shards.manifest import write_manifest
     from eyas.status.report import run_status
+    from eyas.train.launch import train_job
+    from eyas.train.smoke import smoke_train
     from flows.extract import extract_flow
     from flows.train import train_flow
     from flows.verify import verify_flow
@@ -238,6 +242,12 @@ def test_s3_shards_with_a_cache_keep_no_local_copy(
     assert again[1].checksum == rows[1].checksum != damaged.checksum  # extracted again, as it first was
 
     build_vocab(config)
+    # the gate's smoke run reads S3 through a cache as well (its loss on this random target is no test) and ends
+    # the cache's thread
+    smoke = smoke_train(train_job(config, resolve_facts(config), output_dir=config.paths.smoke_dir), config.smoke)
+    assert math.isfinite(smoke.first) and math.isfinite(smoke.last) and not config.paths.shards_dir.exists()
+    assert (config.paths.smoke_dir / "shard-cache" / "rank-0").is_dir()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shard-cache")]
     final = train_flow(config, require_approval=False)
     assert final["step"] == 3
     assert not config.paths.shards_dir.exists()

@@ -114,7 +114,11 @@ def smoke_train(job: TrainJob, smoke: SmokeConfig) -> SmokeResult:
         )
     _clear_previous_smoke(output_dir)
     t = job.train
-    samples = [setup.samples.load_sample(i) for i in range(smoke.num_samples)]
+    try:  # with train.cache_bytes the samples come through a shard cache, whose thread ends here
+        setup.samples.plan(list(range(smoke.num_samples)))
+        samples = [setup.samples.load_sample(i) for i in range(smoke.num_samples)]
+    finally:
+        setup.samples.close()
     batch = collate(samples, job.draft.max_position_embeddings, min_len=t.num_ttt_steps + 1)
     optimizer = make_optimizer(setup.draft, smoke.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

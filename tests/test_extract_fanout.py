@@ -99,14 +99,20 @@ def test_rerun_on_s3_skips_everything(s3_bucket, s3_endpoint, tokenized, random_
     assert (again.shards_written, again.shards_skipped) == (0, first.shards_total)
 
 
-def test_a_missing_shard_on_s3_is_refused_naming_the_fix(s3_bucket, s3_endpoint, tokenized, random_target_dir):
-    """Quarantine moves files of a local directory; on S3 a shard gone from under its row stops the resume."""
+def test_a_missing_shard_on_s3_is_quarantined_and_extracted_again(s3_bucket, s3_endpoint, tokenized, random_target_dir):
+    """A shard gone from under its row on S3 is set aside as on a local directory: its reason goes to quarantine/,
+    its row is dropped and the resume writes it again, byte for byte."""
     store = S3Storage(f"s3://{s3_bucket}/shards", endpoint_url=s3_endpoint)
     _extract(tokenized, store, random_target_dir)
+    rows, before = read_manifest(store), store.get_bytes("shard-00001.safetensors")
     store.delete("shard-00001.safetensors")
-    with pytest.raises(FileNotFoundError, match=r"shard-00001.safetensors: listed in the manifest \(\d+ bytes\) but "
-                       r"missing in storage when an extraction resumed; 1 such shard\(s\): run verification"):  # fmt: skip
-        _extract(tokenized, store, random_target_dir)
+    again = _extract(tokenized, store, random_target_dir)
+    assert again.shards_written == 1
+    assert read_manifest(store) == rows and store.get_bytes("shard-00001.safetensors") == before
+    notes = [n for n in store.list("quarantine/") if n.endswith(".reason.txt")]
+    assert len(notes) == 1 and notes[0].startswith("quarantine/shard-00001.safetensors.")
+    reason = store.get_bytes(notes[0]).decode()
+    assert "listed in the manifest" in reason and "(the file was already missing)" in reason
 
 
 def test_workers_loading_the_target_at_once_keep_its_tied_lm_head(tiny_target_dir):

@@ -24,7 +24,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from measure import extract_variant, prepare, train_and_measure  # noqa: E402
 
 from eyas.config import RunConfig, TrainJob  # noqa: E402
 from eyas.shards.encoding import ShardEncoding, extract_encoding  # noqa: E402
@@ -48,80 +50,6 @@ def variant_config(base: RunConfig, variant: tuple) -> RunConfig:
         update={"aux_dtype": aux_dtype, "teacher": teacher, "teacher_topk": k or 32, "dtype": dtype}
     )
     return base.model_copy(update={"extract": extract})
-
-
-def reference_tau(target_path: str, export_dir: str, prompts_path: str, num_prompts: int) -> float:
-    """tau of the exported draft on the reference engine (steps 3, chain, 64 new tokens), pooled over the
-    prompts: what eyas.bench.acceptance.run_benchmark reports as tau_mean, without its baselines."""
-    from eyas.bench.acceptance import encode_prompts
-    from eyas.bench.reference import load_target_float64, pooled_tau, reference_decode
-    from eyas.dataset.prompts import read_prompts
-    from eyas.export.reader import load_exported_draft
-    from eyas.target import embed_weight
-
-    model = load_target_float64(target_path)
-    draft = load_exported_draft(export_dir, embed_weight(model))
-    prompts = encode_prompts([r["conversations"] for r in read_prompts(prompts_path, num_prompts)], target_path)
-    results = [
-        reference_decode(model, draft, ids, max_new_tokens=64, eos_token_id=model.config.eos_token_id,
-                         aux_layer_ids=draft.aux_layer_ids, steps=3, topk=1, num_draft_tokens=4)
-        for ids in prompts
-    ]  # fmt: skip
-    return pooled_tau(results)
-
-
-def train_and_measure(job_json: str, export_dir: str, prompts_path: str, num_prompts: int) -> dict:
-    """One training on one process, its export and its tau (runs in a worker process; its output goes to
-    OUTPUT_DIR/train.log)."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-
-    from eyas.export.configs import TargetRef
-    from eyas.export.convert import export_sglang
-    from eyas.train.checkpoint import latest_complete
-    from eyas.train.parallel import Dist
-    from eyas.train.trainer import Trainer
-
-    torch.set_num_threads(1)
-    job = TrainJob.model_validate_json(job_json)
-    Path(job.output_dir).mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(Path(job.output_dir) / "train.log", "w") as log, contextlib.redirect_stdout(log):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            Trainer(job, Dist(rank=0, world=1, device=torch.device("cpu"))).run()
-        finally:
-            dist.destroy_process_group()
-    train_s = time.perf_counter() - t0
-    export_sglang(latest_complete(job.output_dir), export_dir, target=TargetRef.read(job.target_path))
-    tau = reference_tau(job.target_path, export_dir, prompts_path, num_prompts)
-    return {"tau": tau, "train_s": train_s, "bench_s": time.perf_counter() - t0 - train_s}
-
-
-def prepare(base: RunConfig) -> None:
-    """The dataset and vocab mapping of the demo preset, built once (reused when present)."""
-    from eyas.dataset.build import build_dataset
-    from eyas.dataset.vocab import build_vocab
-
-    report = build_dataset(base)
-    build_vocab(base)
-    print(
-        f"dataset: {report.num_samples} samples, {report.num_tokens} tokens ({'reused' if report.reused else 'built'})"
-    )
-
-
-def extract_variant(config: RunConfig, shards_dir: Path) -> int:
-    """Extract the shards of one encoding (resumed when present); their total bytes."""
-    from eyas.extract.coordinator import run_extraction
-    from eyas.facts import facts_for
-    from eyas.shards.manifest import read_manifest
-
-    facts = facts_for(target_path=config.target.model_path, tokenized_path=config.paths.tokenized,
-                      shards_dir=shards_dir)  # fmt: skip
-    run_extraction(config.extract, facts, target_dtype=config.target.dtype)
-    return sum(r.num_bytes for r in read_manifest(shards_dir))
 
 
 def main() -> int:

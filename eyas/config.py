@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eyas.draft_keys import DRAFT_VARIANTS
+
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -252,7 +254,15 @@ class VerifyConfig(StrictModel):
 
 
 class DraftConfig(StrictModel):
-    """Shape of the EAGLE-3 draft's single decoder layer; hidden size is the target's."""
+    """Shape of the EAGLE-3 draft's single decoder layer and its variant; hidden size is the target's."""
+
+    variant: Literal["eagle3", "eagle3.1", "norm_before_fc"] = Field(
+        default="eagle3",
+        description="eagle3 = the plain EAGLE-3 draft; eagle3.1 = one RMSNorm per aux layer's chunk before fc "
+        "(fc_norm) and the normed hidden state fed to the next draft step (norm_output); norm_before_fc = one "
+        "RMSNorm over the concatenated aux input before fc. SGLang serves eagle3.1 from 0.5.12 and norm_before_fc "
+        "from 0.5.17 (export.sglang_version says which servers an export is for)",
+    )
 
     num_attention_heads: int = Field(default=4, ge=1, description="attention heads of the draft's decoder layer")
     num_key_value_heads: int = Field(
@@ -265,6 +275,11 @@ class DraftConfig(StrictModel):
     max_position_embeddings: int = Field(
         default=2048, ge=16, description="longest sequence the draft attends over; longer samples are cut"
     )
+
+    def arch_fields(self) -> dict:
+        """DraftArch's layer fields: the shape, name for name, and the variant's draft options turned on."""
+        shape = self.model_dump(exclude={"variant"})
+        return {**shape, **{option: True for option in DRAFT_VARIANTS[self.variant]}}
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "DraftConfig":
@@ -391,6 +406,13 @@ class ApprovalConfig(StrictModel):
 class ExportConfig(StrictModel):
     format: Literal["sglang"] = Field(default="sglang", description="the export stage's format (eyas remap converts)")
     dtype: DType = Field(default="float32", description="dtype of the exported weights")
+    sglang_version: str = Field(
+        default="",
+        pattern=r"^(\d+\.\d+\.\d+)?$",
+        description="the oldest SGLang release the export must run on (e.g. 0.5.23); it decides which draft "
+        "variants may be exported (eagle3.1 needs 0.5.12, norm_before_fc 0.5.17); empty = every release the "
+        "format serves (0.5.10 on: plain eagle3 only)",
+    )
 
 
 class BenchConfig(StrictModel):
@@ -459,6 +481,25 @@ class RunConfig(StrictModel):
     approval: ApprovalConfig = Field(default=ApprovalConfig(), description="the approval gate")
     export: ExportConfig = Field(default=ExportConfig(), description="the export of the trained draft")
     bench: BenchConfig = Field(description="the acceptance benchmark on held-out prompts")
+
+    @model_validator(mode="after")
+    def _variant_is_served(self) -> "RunConfig":
+        # the engine tables (imported here: eyas.engines imports httpx)
+        from eyas.engines.sglang import parse_version
+        from eyas.export.serving import SGLANG_FORMAT_SINCE, SGLANG_OPTION_SINCE, option_problems
+
+        options, version = DRAFT_VARIANTS[self.draft.variant], self.export.sglang_version or None
+        if option_problems(options, self.export.format, version):
+            needed = max((SGLANG_OPTION_SINCE[o] for o in options), key=parse_version)
+            oldest = version or SGLANG_FORMAT_SINCE[self.export.format]
+            raise ValueError(
+                f"draft.variant={self.draft.variant!r} turns on {', '.join(options)}, which SGLang runs from "
+                f"{needed}; export.sglang_version={self.export.sglang_version!r} exports for every release from "
+                f"{oldest}, where they are ignored and their tensors dropped without a word: set "
+                f"export.sglang_version to {needed} or newer (the oldest release your servers run), or train "
+                f"draft.variant 'eagle3'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cache_reads_remote_shards(self) -> "RunConfig":

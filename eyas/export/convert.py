@@ -112,12 +112,14 @@ def export_checkpoint(
     to: str,
     dtype: str = "float32",
     target: TargetRef | None = None,
+    sglang_version: str | None = None,
 ) -> Path:
-    """Convert a training checkpoint to format `to` in out_dir (replaced atomically); returns out_dir."""
+    """Convert a training checkpoint to format `to` in out_dir (replaced atomically); returns out_dir.
+    `sglang_version`: the oldest SGLang server it must run on (convert_checkpoint)."""
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"export dtype {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
     ckpt = read_checkpoint(checkpoint_dir)
-    tensors, files = convert_checkpoint(ckpt, to, dtype, target=target)
+    tensors, files = convert_checkpoint(ckpt, to, dtype, target=target, sglang_version=sglang_version)
     return write_export_dir(Path(out_dir), tensors, files)
 
 
@@ -127,9 +129,13 @@ def export_sglang(
     *,
     dtype: str = "float32",
     target: TargetRef | None = None,
+    sglang_version: str | None = None,
 ) -> Path:
-    """Convert a training checkpoint to SGLang's format (`midlayer.*`, loaded by every SGLang version)."""
-    return export_checkpoint(checkpoint_dir, out_dir, to="sglang", dtype=dtype, target=target)
+    """Convert a training checkpoint to SGLang's format (`midlayer.*`, loaded by every SGLang version; the
+    draft's options by those from `sglang_version`, eyas.export.serving)."""
+    return export_checkpoint(
+        checkpoint_dir, out_dir, to="sglang", dtype=dtype, target=target, sglang_version=sglang_version
+    )
 
 
 def _cast(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
@@ -155,6 +161,13 @@ def export_run(config: RunConfig) -> Path:
             f"export: no complete checkpoint under {config.paths.train_dir}/checkpoints; run the train stage first"
         )
     target = TargetRef.read(config.target.model_path)
-    out = export_sglang(checkpoint, config.paths.export_dir / SGLANG_EXPORT, dtype=config.export.dtype, target=target)
+    e = config.export
+    out = export_sglang(
+        checkpoint,
+        config.paths.export_dir / SGLANG_EXPORT,
+        dtype=e.dtype,
+        target=target,
+        sglang_version=e.sglang_version or None,
+    )
     print(f"exported {checkpoint.name} -> {out}")
     return out

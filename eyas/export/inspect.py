@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from eyas.draft_keys import DRAFT_OPTIONS, vocab_mapping_problems
+from eyas.draft_keys import DRAFT_OPTIONS, variant_of, vocab_mapping_problems
 from eyas.export.configs import ConfigError, TargetRef, read_config
 from eyas.export.drafter_dir import (
     PROVENANCE_FILE,
@@ -90,11 +90,17 @@ class InspectReport:
         return not self.problems
 
     @property
+    def variant(self) -> str | None:
+        """The draft.variant these options are (eyas.draft_keys.DRAFT_VARIANTS), None for another combination."""
+        return variant_of(self.options)
+
+    @property
     def text(self) -> str:
         lines = [f"{self.path}: format {self.format}, {len(self.shapes)} tensors, written by {self.producer.label}"]
         lines += [f"  {name:48s} {list(shape)}" for name, shape in sorted(self.shapes.items())]
         lines += [f"  config.{k} = {json.dumps(self.config[k])}" for k in _SHOWN_CONFIG if k in self.config]
         lines.append(f"  draft options: {', '.join(self.options) or 'none (plain EAGLE-3)'}")
+        lines.append(f"  draft variant: {self.variant or 'none that eyas trains (draft.variant)'}")
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  loads completely in {e}: {'yes' if ok else 'NO'}" for e, ok in self.engines.items()]
         lines.append("problems:" if self.problems else "no problems found")

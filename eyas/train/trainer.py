@@ -110,7 +110,7 @@ def build_setup(job: TrainJob, rank: int = 0) -> TrainSetup:
         num_aux=len(job.aux_layer_ids),
         target_vocab_size=vocab,
         draft_vocab_size=d2t.numel(),
-        **job.draft.model_dump(),  # DraftConfig's fields are DraftArch's layer shape, name for name
+        **job.draft.arch_fields(),  # the layer's shape and the variant's options
     )
     draft = build_draft(arch, embed, d2t, t2d, seed=job.train.seed)
     head_rows = lm_head[torch.arange(d2t.numel()) + d2t].float()

@@ -30,8 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from measure import extract_variant, prepare, train_and_measure  # noqa: E402
 
-from eyas.config import RunConfig, TrainJob  # noqa: E402
-from eyas.draft_keys import DRAFT_VARIANTS  # noqa: E402
+from eyas.config import DRAFT_VARIANTS, RunConfig, TrainJob  # noqa: E402
 
 DEMO = "eagle3"  # the demo preset's variant
 SERVED_BY = "0.5.23"  # an SGLang release that runs every variant (eyas.export.serving)

@@ -14,8 +14,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eyas.draft_keys import DRAFT_VARIANTS
-
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -253,6 +251,23 @@ class VerifyConfig(StrictModel):
     )
 
 
+# The draft variants eyas trains (draft.variant) and the options each turns on: plain EAGLE-3, EAGLE 3.1
+# (one RMSNorm per aux chunk before fc, the normed state fed back between draft steps) and one RMSNorm over the
+# whole concatenated aux input before fc. All three run as trained in SGLang from the versions that read their
+# flags (eyas.export.serving.variant_problem); norm_before_residual, which no SGLang release runs, is not a variant to train.
+DRAFT_VARIANTS: dict[str, tuple[str, ...]] = {
+    "eagle3": (),
+    "eagle3.1": ("fc_norm", "norm_output"),
+    "norm_before_fc": ("norm_before_fc",),
+}
+
+
+def variant_of(options) -> str | None:
+    """The variant whose options are exactly `options` (any order), or None for a combination eyas does not
+    train (a foreign checkpoint's)."""
+    return next((name for name, on in DRAFT_VARIANTS.items() if set(on) == set(options)), None)
+
+
 class DraftConfig(StrictModel):
     """Shape of the EAGLE-3 draft's single decoder layer and its variant; hidden size is the target's."""
 
@@ -481,25 +496,6 @@ class RunConfig(StrictModel):
     approval: ApprovalConfig = Field(default=ApprovalConfig(), description="the approval gate")
     export: ExportConfig = Field(default=ExportConfig(), description="the export of the trained draft")
     bench: BenchConfig = Field(description="the acceptance benchmark on held-out prompts")
-
-    @model_validator(mode="after")
-    def _variant_is_served(self) -> "RunConfig":
-        # the engine tables (imported here: eyas.engines imports httpx)
-        from eyas.engines.sglang import parse_version
-        from eyas.export.serving import SGLANG_FORMAT_SINCE, SGLANG_OPTION_SINCE, option_problems
-
-        options, version = DRAFT_VARIANTS[self.draft.variant], self.export.sglang_version or None
-        if option_problems(options, self.export.format, version):
-            needed = max((SGLANG_OPTION_SINCE[o] for o in options), key=parse_version)
-            oldest = version or SGLANG_FORMAT_SINCE[self.export.format]
-            raise ValueError(
-                f"draft.variant={self.draft.variant!r} turns on {', '.join(options)}, which SGLang runs from "
-                f"{needed}; export.sglang_version={self.export.sglang_version!r} exports for every release from "
-                f"{oldest}, where they are ignored and their tensors dropped without a word: set "
-                f"export.sglang_version to {needed} or newer (the oldest release your servers run), or train "
-                f"draft.variant 'eagle3'"
-            )
-        return self
 
     @model_validator(mode="after")
     def _cache_reads_remote_shards(self) -> "RunConfig":

@@ -18,7 +18,7 @@ and fc_norm.{i}.weight (fc_norm). The options, as speculators' Eagle3DraftModel 
 - norm_before_residual: the layer's residual is the normed hidden input instead of the raw one;
 - norm_output: the hidden state fed to the next unroll step is norm(h) instead of h (logits are
   lm_head(norm(h)) either way).
-eyas trains the variants of eyas.draft_keys.DRAFT_VARIANTS (draft.variant: eagle3, eagle3.1 = fc_norm +
+eyas trains the variants of eyas.config.DRAFT_VARIANTS (draft.variant: eagle3, eagle3.1 = fc_norm +
 norm_output, norm_before_fc); norm_before_residual exists so that a foreign checkpoint that has it runs as
 trained.
 """

@@ -52,22 +52,6 @@ EYAS_LAYER_PREFIX = "midlayer."
 # Variants of the EAGLE-3 draft layer (eyas.draft says what each does); all off in a plain draft.
 DRAFT_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
-# The draft variants eyas trains (draft.variant) and the options each turns on: plain EAGLE-3, EAGLE 3.1
-# (one RMSNorm per aux chunk before fc, the normed state fed back between draft steps) and one RMSNorm over the
-# whole concatenated aux input before fc. All three run as trained in SGLang from the versions that read their
-# flags (eyas.export.serving); norm_before_residual, which no SGLang release runs, is not a variant to train.
-DRAFT_VARIANTS: dict[str, tuple[str, ...]] = {
-    "eagle3": (),
-    "eagle3.1": ("fc_norm", "norm_output"),
-    "norm_before_fc": ("norm_before_fc",),
-}
-
-
-def variant_of(options) -> str | None:
-    """The variant whose options are exactly `options` (any order), or None for a combination eyas does not
-    train (a foreign checkpoint's)."""
-    return next((name for name, on in DRAFT_VARIANTS.items() if set(on) == set(options)), None)
-
 
 class KeyCheckError(ValueError):
     """A state dict's keys or shapes differ from what its destination expects."""

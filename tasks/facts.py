@@ -6,6 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from eyas.config import RunConfig
+from eyas.export.serving import check_variant_served
 from eyas.facts import RunFacts, resolve_facts
 from tasks.retry import TRANSIENT_IO
 
@@ -14,5 +15,7 @@ from tasks.retry import TRANSIENT_IO
 # facts must follow the files. Storage errors retried.
 @task(name="resolve-run-facts", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def resolve_run_facts(config: RunConfig) -> RunFacts:
-    """The target's shape and fingerprint, the aux layer ids, the dataset's hash and size, where shards go."""
+    """The target's shape and fingerprint, the aux layer ids, the dataset's hash and size, where shards go; a
+    draft.variant the export's servers would not run is refused here, before extraction and training."""
+    check_variant_served(config)
     return resolve_facts(config)

@@ -13,11 +13,11 @@ import torch
 from draft_fixtures import ARCH, write_checkpoint
 from safetensors.torch import load_file
 
-from eyas.config import RunConfig, load_run_config
+from eyas.config import DRAFT_VARIANTS, RunConfig, load_run_config, variant_of
 from eyas.draft import DraftArch, Eagle3Draft
-from eyas.draft_keys import DRAFT_VARIANTS, variant_of
 from eyas.export.convert import export_checkpoint
 from eyas.export.reader import load_exported_draft
+from eyas.export.serving import check_variant_served
 from eyas.train.checkpoint import read_checkpoint
 
 
@@ -175,18 +175,20 @@ def test_the_pin_tells_the_fed_back_state_and_the_norms_apart(tmp_path):
     assert (plain[0] - normed[0]).abs().max() > 1e-2
 
 
-def test_a_variant_is_refused_at_config_time_for_servers_that_drop_it(tiny_target_dir):
+def test_a_variant_is_refused_before_any_stage_spends_time_for_servers_that_drop_it(tiny_target_dir):
     """Before any GPU time is spent: a variant the export's SGLang servers would run without its norms."""
     base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json").model_dump()
 
     def config(variant, version=""):
-        return RunConfig.model_validate(
+        run = RunConfig.model_validate(
             {
                 **base,
                 "draft": {**base["draft"], "variant": variant},
                 "export": {**base["export"], "sglang_version": version},
             }
         )
+        check_variant_served(run)  # what resolve-run-facts does first in every flow
+        return run
 
     with pytest.raises(ValueError, match=r"draft.variant='eagle3.1' turns on fc_norm, norm_output, which SGLang runs "
                        r"from 0.5.12; .*from 0.5.10.*set export.sglang_version to 0.5.12 or newer"):  # fmt: skip

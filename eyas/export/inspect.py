@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from eyas.draft_keys import DRAFT_OPTIONS, variant_of, vocab_mapping_problems
+from eyas.config import variant_of
+from eyas.draft_keys import DRAFT_OPTIONS, vocab_mapping_problems
 from eyas.export.configs import ConfigError, TargetRef, read_config
 from eyas.export.drafter_dir import (
     PROVENANCE_FILE,

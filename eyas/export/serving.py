@@ -152,3 +152,31 @@ def serving_engines(fmt: str, key_set_matches: dict[str, bool], options: tuple[s
         name: any(key_set_matches.get(f, False) for f in e.formats) and set(options) <= set(e.options)
         for name, e in ENGINES.items()
     }
+
+
+def variant_problem(variant_options: tuple[str, ...], variant: str, fmt: str, sglang_version: str) -> str | None:
+    """Why a draft.variant (its options) cannot be exported for the run's servers (export.format,
+    export.sglang_version; "" = every release the format serves), with the fix; None when it can."""
+    version = sglang_version or None
+    if not option_problems(variant_options, fmt, version):
+        return None
+    needed = max((SGLANG_OPTION_SINCE[o] for o in variant_options), key=_version)
+    oldest = version or SGLANG_FORMAT_SINCE[fmt]
+    return (
+        f"draft.variant={variant!r} turns on {', '.join(variant_options)}, which SGLang runs from {needed}; "
+        f"export.sglang_version={sglang_version!r} exports for every release from {oldest}, where they are ignored "
+        f"and their tensors dropped without a word: set export.sglang_version to {needed} or newer (the oldest "
+        f"release your servers run), or train draft.variant 'eagle3'"
+    )
+
+
+def check_variant_served(config) -> None:
+    """Refuse a RunConfig whose draft.variant its export's servers would run without its norms (before any GPU
+    time is spent: the flows call it when they resolve the run's facts)."""
+    from eyas.config import DRAFT_VARIANTS
+
+    problem = variant_problem(
+        DRAFT_VARIANTS[config.draft.variant], config.draft.variant, config.export.format, config.export.sglang_version
+    )
+    if problem:
+        raise ValueError(problem)

@@ -28,9 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from measure import extract_variant, prepare, train_and_measure  # noqa: E402
+from measure import demo_config, extract_variant, extracted_aux_ids, prepare, train_and_measure  # noqa: E402
 
-from eyas.config import DRAFT_VARIANTS, RunConfig, TrainJob  # noqa: E402
+from eyas.config import DRAFT_VARIANTS, TrainJob  # noqa: E402
 
 DEMO = "eagle3"  # the demo preset's variant
 SERVED_BY = "0.5.23"  # an SGLang release that runs every variant (eyas.export.serving)
@@ -47,19 +47,12 @@ def main() -> int:
     p.add_argument("--num-long-prompts", type=int, default=12)
     p.add_argument("--jobs", type=int, default=2)
     args = p.parse_args()
-    data = json.loads(Path(args.preset).read_text())
-    for section, key in (("target", "model_path"), ("dataset", "prompts_path"), ("bench", "prompts_path")):
-        data[section][key] = str(REPO / data[section][key])
-    data["workdir"] = args.workdir
-    data.setdefault("export", {})["sglang_version"] = SERVED_BY
-    base = RunConfig.model_validate(data)
+    base = demo_config(args.preset, args.workdir, sglang_version=SERVED_BY)
     t0 = time.perf_counter()
     prepare(base)
     shards = Path(args.workdir) / "shards"
     extract_variant(base, shards)
-    from eyas.shards.shard_set import read_run_meta
-
-    aux_ids = list(read_run_meta(shards).aux_layer_ids)
+    aux_ids = extracted_aux_ids(shards)
     futures = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for variant in args.variants:

@@ -4,10 +4,31 @@ reference engine."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from eyas.config import RunConfig, TrainJob
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def demo_config(preset: str, workdir: str, **export) -> RunConfig:
+    """The preset (the demo's, by default) with its repo-relative paths made absolute, writing to `workdir`;
+    `export` overrides fields of its export section."""
+    data = json.loads(Path(preset).read_text())
+    for section, key in (("target", "model_path"), ("dataset", "prompts_path"), ("bench", "prompts_path")):
+        data[section][key] = str(REPO / data[section][key])
+    data["workdir"] = workdir
+    data["export"] = {**data.get("export", {}), **export}
+    return RunConfig.model_validate(data)
+
+
+def extracted_aux_ids(shards: Path) -> list[int]:
+    """The canonical aux layer ids the shards in `shards` were extracted at (their extract.json)."""
+    from eyas.shards.shard_set import read_run_meta
+
+    return list(read_run_meta(shards).aux_layer_ids)
 
 
 def reference_tau(

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from measure import extract_variant, prepare, train_and_measure  # noqa: E402
+from measure import demo_config, extract_variant, extracted_aux_ids, prepare, train_and_measure  # noqa: E402
 
 from eyas.config import RunConfig, TrainJob  # noqa: E402
 from eyas.shards.encoding import ShardEncoding, extract_encoding  # noqa: E402
@@ -61,11 +61,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--jobs", type=int, default=2)
     args = p.parse_args()
-    data = json.loads(Path(args.preset).read_text())
-    for section, key in (("target", "model_path"), ("dataset", "prompts_path"), ("bench", "prompts_path")):
-        data[section][key] = str(REPO / data[section][key])
-    data["workdir"] = args.workdir
-    base = RunConfig.model_validate(data)
+    base = demo_config(args.preset, args.workdir)
     workdir = Path(args.workdir)
     t0 = time.perf_counter()
     prepare(base)
@@ -86,7 +82,7 @@ def main() -> int:
                 train = base.train.model_copy(update={"num_processes": 1, "seed": seed, "num_epochs": args.num_epochs})
                 out = workdir / "train" / f"{label.replace('/', '-')}-seed{seed}"
                 job = TrainJob(target_path=base.target.model_path, shards_dir=str(shards),
-                               vocab_path=str(base.paths.vocab), output_dir=str(out), aux_layer_ids=_aux_ids(shards),
+                               vocab_path=str(base.paths.vocab), output_dir=str(out), aux_layer_ids=extracted_aux_ids(shards),
                                draft=base.draft, train=train)  # fmt: skip
                 futures[(label, seed)] = pool.submit(train_and_measure, job.model_dump_json(), str(out / "export"),
                                                      base.bench.prompts_path, args.num_prompts)  # fmt: skip
@@ -97,12 +93,6 @@ def main() -> int:
             print(f"  {label} seed {seed}: tau {r['tau']:.3f} (train {r['train_s']:.0f} s, bench {r['bench_s']:.0f} s)",
                   flush=True)  # fmt: skip
     return report(rows, num_tokens, measured_h, args, time.perf_counter() - t0)
-
-
-def _aux_ids(shards: Path) -> list[int]:
-    from eyas.shards.shard_set import read_run_meta
-
-    return list(read_run_meta(shards).aux_layer_ids)
 
 
 def report(rows: dict, num_tokens: int, measured_h: int, args, wall_s: float) -> int:

@@ -71,7 +71,8 @@ def train_and_measure(
     sglang_version: str | None = None,
     num_long_prompts: int = 0,
 ) -> dict:
-    """One training on one process, its export (for SGLang >= `sglang_version`) and its tau; with
+    """One training on one process, its export (for SGLang >= `sglang_version`; a stack of draft layers in format
+    sglang-0.5.12) and its tau; with
     `num_long_prompts`, also tau_long over that many prompts continued to the target's longest position (runs in a
     worker process; its output goes to OUTPUT_DIR/train.log)."""
     import contextlib
@@ -80,7 +81,7 @@ def train_and_measure(
     import torch.distributed as dist
 
     from eyas.export.configs import TargetRef
-    from eyas.export.convert import export_sglang
+    from eyas.export.convert import export_checkpoint
     from eyas.train.checkpoint import latest_complete
     from eyas.train.parallel import Dist
     from eyas.train.trainer import Trainer
@@ -96,8 +97,9 @@ def train_and_measure(
         finally:
             dist.destroy_process_group()
     train_s = time.perf_counter() - t0
-    export_sglang(latest_complete(job.output_dir), export_dir, target=TargetRef.read(job.target_path),
-                  sglang_version=sglang_version)  # fmt: skip
+    fmt = "sglang" if job.draft.num_layers == 1 else "sglang-0.5.12"
+    export_checkpoint(latest_complete(job.output_dir), export_dir, to=fmt, target=TargetRef.read(job.target_path),
+                      sglang_version=sglang_version)  # fmt: skip
     tau = reference_tau(job.target_path, export_dir, prompts_path, num_prompts)
     out = {"tau": tau, "train_s": train_s}
     if num_long_prompts:

@@ -269,7 +269,7 @@ def variant_of(options) -> str | None:
 
 
 class DraftConfig(StrictModel):
-    """Shape of the EAGLE-3 draft's single decoder layer and its variant; hidden size is the target's."""
+    """Shape of the EAGLE-3 draft's decoder layers and its variant; hidden size is the target's."""
 
     variant: Literal["eagle3", "eagle3.1", "norm_before_fc"] = Field(
         default="eagle3",
@@ -279,7 +279,14 @@ class DraftConfig(StrictModel):
         "from 0.5.17 (export.sglang_version says which servers an export is for)",
     )
 
-    num_attention_heads: int = Field(default=4, ge=1, description="attention heads of the draft's decoder layer")
+    num_layers: int = Field(
+        default=1,
+        ge=1,
+        description="decoder layers of the draft: 1 = EAGLE-3's single layer; more = a stack as SGLang >= 0.5.12 "
+        "runs it (layer 0 takes the token embedding and the hidden state, later layers the running hidden state; "
+        "exported as layers.{i}.* in format sglang-0.5.12)",
+    )
+    num_attention_heads: int = Field(default=4, ge=1, description="attention heads of each draft decoder layer")
     num_key_value_heads: int = Field(
         default=2, ge=1, description="key/value heads (grouped-query attention); divides num_attention_heads"
     )
@@ -419,7 +426,11 @@ class ApprovalConfig(StrictModel):
 
 
 class ExportConfig(StrictModel):
-    format: Literal["sglang"] = Field(default="sglang", description="the export stage's format (eyas remap converts)")
+    format: Literal["sglang", "sglang-0.5.12"] = Field(
+        default="sglang",
+        description="the export stage's format: sglang = midlayer.* (every SGLang release); sglang-0.5.12 = "
+        "layers.{i}.* (SGLang >= 0.5.12; needed for draft.num_layers > 1); eyas remap converts to others",
+    )
     dtype: DType = Field(default="float32", description="dtype of the exported weights")
     sglang_version: str = Field(
         default="",

@@ -10,7 +10,8 @@ the prefix that the target has verified.
 
 State-dict keys (the eyas format): embed_tokens.weight, fc.weight, midlayer.{input_layernorm,
 hidden_norm, post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
-midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, and buffers d2t, t2d; with the
+midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, and buffers d2t, t2d (a draft of
+num_layers > 1 has layers.{i}.* in place of midlayer.*: eyas.draft_keys.layer_prefixes); with the
 draft options (DRAFT_OPTIONS, all off in a plain EAGLE-3 draft) also input_norm.weight (norm_before_fc)
 and fc_norm.{i}.weight (fc_norm). The options, as speculators' Eagle3DraftModel runs them:
 - norm_before_fc: one RMSNorm over the concatenated n_aux*H aux input, before fc;
@@ -21,6 +22,12 @@ and fc_norm.{i}.weight (fc_norm). The options, as speculators' Eagle3DraftModel 
 eyas trains the variants of eyas.config.DRAFT_VARIANTS (draft.variant: eagle3, eagle3.1 = fc_norm +
 norm_output, norm_before_fc); norm_before_residual exists so that a foreign checkpoint that has it runs as
 trained.
+
+A stack of num_layers decoder layers runs as SGLang (>= 0.5.12) LlamaModel does (llama_eagle3.py): layer 0 takes
+cat(input_layernorm(embeds), hidden_norm(h)) into a 2H-wide qkv; each later layer has no input_layernorm and
+no embeds: its hidden_norm is the input norm over the running residual sum, into an H-wide qkv (a plain Llama
+layer). Every layer keeps its own keys and values of the unroll steps; the final norm, logits and the state fed
+to the next step are those of the last layer's output.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class DraftArch:
     fc_norm: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    num_layers: int = 1
 
     def options(self) -> tuple[str, ...]:
         """The draft options this architecture turns on (DRAFT_OPTIONS order)."""
@@ -102,12 +110,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, a: DraftArch):
+    def __init__(self, a: DraftArch, width: int):
         super().__init__()
         self.a = a
-        self.q_proj = nn.Linear(2 * a.hidden_size, a.num_attention_heads * a.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
+        self.q_proj = nn.Linear(width, a.num_attention_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, a.num_key_value_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, a.num_key_value_heads * a.head_dim, bias=False)
         self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -115,7 +123,7 @@ class Attention(nn.Module):
         return x.view(b, t, n, self.a.head_dim).transpose(1, 2)
 
     def forward(self, x, positions, cache: list, valid: torch.Tensor | None):
-        """x [B,T,2H]; cache: (k, v) of earlier unroll steps, cache[0] being step 0; valid [B,T] bool."""
+        """x [B,T,2H] (first layer) or [B,T,H]; cache: this layer's (k, v) of earlier unroll steps, cache[0] being step 0; valid [B,T] bool."""
         a = self.a
         q = rope(self._heads(self.q_proj(x), a.num_attention_heads), positions, a.rope_theta)
         k = rope(self._heads(self.k_proj(x), a.num_key_value_heads), positions, a.rope_theta)
@@ -151,19 +159,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: DraftArch):
+    """The first layer (embeds and hidden in, 2H-wide qkv) or a later one (hidden only, H-wide qkv)."""
+
+    def __init__(self, a: DraftArch, first: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.first = first
+        if first:
+            self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = Attention(a)
+        self.self_attn = Attention(a, (2 if first else 1) * a.hidden_size)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
-        self.norm_before_residual = a.norm_before_residual
+        self.norm_before_residual = a.norm_before_residual and first
 
     def forward(self, embeds, hidden, positions, cache, valid):
+        """Returns the layer's output residual sum [B,T,H]; `embeds` is read by the first layer only."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1) if self.first else normed
         hidden = residual + self.self_attn(x, positions, cache, valid)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -178,11 +191,22 @@ class Eagle3Draft(nn.Module):
         if a.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(a.hidden_size, a.rms_norm_eps) for _ in range(a.num_aux))
         self.fc = nn.Linear(a.num_aux * a.hidden_size, a.hidden_size, bias=False)
-        self.midlayer = DecoderLayer(a)
+        if a.num_layers == 1:
+            self.midlayer = DecoderLayer(a)
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(a, first=i == 0) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers in order (midlayer alone, or layers.0..n-1)."""
+        return [self.midlayer] if self.arch.num_layers == 1 else list(self.layers)
+
+    def new_cache(self) -> list[list]:
+        """An empty unroll cache: one list of per-step (k, v) for each decoder layer."""
+        return [[] for _ in range(self.arch.num_layers)]
 
     def freeze_embeddings(self) -> None:
         self.embed_tokens.weight.requires_grad_(False)
@@ -205,9 +229,12 @@ class Eagle3Draft(nn.Module):
 
     def step(self, input_ids, hidden, positions, cache, valid=None) -> torch.Tensor:
         """One unroll step: returns the output hidden [B,T,H] that the next step takes as input (pre-norm,
-        or normed with norm_output); `logits` of it are this step's draft logits."""
-        out = self.midlayer(self.embed_tokens(input_ids), hidden, positions, cache, valid)
-        return self.norm(out) if self.arch.norm_output else out
+        or normed with norm_output); `logits` of it are this step's draft logits. `cache` is new_cache()'s,
+        carried across the steps."""
+        embeds = self.embed_tokens(input_ids)
+        for layer, layer_cache in zip(self.decoder_layers(), cache, strict=True):
+            hidden = layer(embeds, hidden, positions, layer_cache, valid)
+        return self.norm(hidden) if self.arch.norm_output else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits of a step's output hidden (already normed with norm_output)."""
@@ -223,7 +250,7 @@ class Eagle3Draft(nn.Module):
         tlen = seq - 1
         hidden = self.project(aux_hidden[:, :tlen])
         base = torch.arange(tlen, device=input_ids.device).expand(b, tlen)
-        cache: list = []
+        cache = self.new_cache()
         for k in range(num_steps):
             ids = torch.zeros_like(base)
             ids[:, : max(tlen - k, 0)] = input_ids[:, k + 1 :]

@@ -17,7 +17,8 @@ import numpy as np
 Shapes = dict[str, tuple[int, ...]]
 
 
-# The decoder layer's tensors, relative to its prefix (`midlayer.` in eyas).
+# The first decoder layer's tensors, relative to its prefix (`midlayer.` in eyas; a later layer of a stack has
+# no input_layernorm: layer_shapes).
 LAYER_KEYS = (
     "input_layernorm.weight",
     "hidden_norm.weight",
@@ -49,6 +50,34 @@ def option_shapes(arch) -> Shapes:
 
 EYAS_LAYER_PREFIX = "midlayer."
 
+
+def layer_prefixes(num_layers: int) -> list[str]:
+    """The eyas prefixes of a draft's decoder layers: `midlayer.` alone, or `layers.0.` .. `layers.{n-1}.`."""
+    return [EYAS_LAYER_PREFIX] if num_layers == 1 else [f"layers.{i}." for i in range(num_layers)]
+
+
+def layer_shapes(arch, first: bool) -> Shapes:
+    """A decoder layer's tensors and shapes, relative to its prefix: the first takes cat(embeds, hidden) into
+    2H-wide q/k/v; a later one has no input_layernorm and H-wide q/k/v (SGLang's LlamaDecoderLayer, is_input_layer)."""
+    h, heads, kv, hd = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    width = 2 * h if first else h
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "hidden_norm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (heads * hd, width),
+        "self_attn.k_proj.weight": (kv * hd, width),
+        "self_attn.v_proj.weight": (kv * hd, width),
+        "self_attn.o_proj.weight": (h, heads * hd),
+        "mlp.gate_proj.weight": (arch.intermediate_size, h),
+        "mlp.up_proj.weight": (arch.intermediate_size, h),
+        "mlp.down_proj.weight": (h, arch.intermediate_size),
+    }
+    if not first:
+        del shapes["input_layernorm.weight"]
+    return shapes
+
+
 # Variants of the EAGLE-3 draft layer (eyas.draft says what each does); all off in a plain draft.
 DRAFT_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
@@ -60,24 +89,16 @@ class KeyCheckError(ValueError):
 def expected_eyas_shapes(arch) -> Shapes:
     """Every key of an eyas draft state dict (see eyas/draft.py) and its shape; `arch` is a DraftArch or anything
     with its fields (eyas inspect passes the fields a config names)."""
-    h, heads, kv, hd = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-    layer = {
-        "input_layernorm.weight": (h,),
-        "hidden_norm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (heads * hd, 2 * h),
-        "self_attn.k_proj.weight": (kv * hd, 2 * h),
-        "self_attn.v_proj.weight": (kv * hd, 2 * h),
-        "self_attn.o_proj.weight": (h, heads * hd),
-        "mlp.gate_proj.weight": (arch.intermediate_size, h),
-        "mlp.up_proj.weight": (arch.intermediate_size, h),
-        "mlp.down_proj.weight": (h, arch.intermediate_size),
+    h = arch.hidden_size
+    prefixes = layer_prefixes(getattr(arch, "num_layers", 1))
+    layers = {
+        f"{prefix}{k}": v for i, prefix in enumerate(prefixes) for k, v in layer_shapes(arch, first=i == 0).items()
     }
     return {
         "embed_tokens.weight": (arch.target_vocab_size, h),
         **option_shapes(arch),
         "fc.weight": (h, arch.num_aux * h),
-        **{f"{EYAS_LAYER_PREFIX}{k}": v for k, v in layer.items()},
+        **layers,
         "norm.weight": (h,),
         "lm_head.weight": (arch.draft_vocab_size, h),
         "d2t": (arch.draft_vocab_size,),

@@ -27,8 +27,10 @@ from eyas.config import RunConfig
 from eyas.dataset.vocab import check_vocab_mapping
 from eyas.draft import DraftArch, ttt_loss
 from eyas.export.configs import read_config
+from eyas.export.drafter_dir import read_export_provenance
 from eyas.export.keys import check_keys, expected_shapes
 from eyas.export.reader import load_exported_draft
+from eyas.export.serving import SGLANG_FORMAT_SINCE
 from eyas.facts import shard_source
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids, sglang_convention, target_layout
@@ -109,10 +111,16 @@ def _export_tensors(export_dir: Path) -> tuple[dict, dict[str, tuple[int, ...]]]
     return config, shapes
 
 
-def _arch(config: dict, shapes: dict) -> DraftArch:
+def _export_format(export_dir: Path) -> str:
+    """The SGLang format of an export: its eyas_export.json's, else `sglang` (midlayer.*)."""
+    provenance = read_export_provenance(export_dir) or {}
+    return provenance.get("format") if provenance.get("format") in SGLANG_FORMAT_SINCE else "sglang"
+
+
+def _arch(config: dict, shapes: dict, fmt: str = "sglang") -> DraftArch:
     """The arch the export's config describes (eyas.export.configs); draft_vocab_size falls back to lm_head's
     rows when absent (its own check reports the absence)."""
-    fields = dict(read_config("sglang", config).arch)
+    fields = dict(read_config(fmt, config).arch)
     if fields["draft_vocab_size"] is None:
         fields["draft_vocab_size"] = shapes.get("lm_head.weight", (fields["target_vocab_size"],))[0]
     return DraftArch(**fields)
@@ -121,7 +129,8 @@ def _arch(config: dict, shapes: dict) -> DraftArch:
 def _export_checks(export_dir: Path, config: dict, shapes: dict) -> list[Check]:
     checks = []
     try:
-        check_keys(shapes, expected_shapes("sglang", _arch(config, shapes)), where=f"export {export_dir}")
+        fmt = _export_format(export_dir)
+        check_keys(shapes, expected_shapes(fmt, _arch(config, shapes, fmt)), where=f"export {export_dir}")
         checks.append(Check("export_key_set", True, f"{len(shapes)} keys, exactly SGLang's set and shapes"))
     except ValueError as err:  # KeyCheckError lists every offender; ConfigError names the missing field
         checks.append(Check("export_key_set", False, str(err).replace("\n", "; ")))

@@ -48,7 +48,7 @@ class DraftProposer:
         if aux.shape[0] != m:
             raise ValueError(f"draft input: {aux.shape[0]} aux feature rows for {len(seq)} tokens, expected {m}")
         hidden = draft.project(aux[None].to(draft.fc.weight))
-        cache: list = []
+        cache = draft.new_cache()
         device = hidden.device
         ids = torch.tensor([seq[1:]], dtype=torch.int64, device=device)
         hidden = draft.step(ids, hidden, torch.arange(m, device=device)[None], cache)
@@ -65,7 +65,7 @@ class DraftProposer:
 
     def _path_logits(self, seq: list[int], hidden, cache: list, path: list[int]) -> torch.Tensor:
         """Draft logits [Vd] at the last index after forcing `path` as steps 1..len(path)."""
-        cache = list(cache)
+        cache = [list(layer_cache) for layer_cache in cache]
         for k, token in enumerate(path, start=1):
             hidden = self._advance(seq, hidden, cache, k, token)
         return self.draft.logits(hidden[0, -1])

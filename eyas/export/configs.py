@@ -107,7 +107,7 @@ def _llama_config(arch, dtype: str) -> dict:
         "architectures": [LLAMA_EAGLE3_ARCHITECTURE],
         "model_type": "llama",
         **{name: getattr(arch, name) for name in _LLAMA_FIELDS},
-        "num_hidden_layers": 1,
+        "num_hidden_layers": getattr(arch, "num_layers", 1),
         "hidden_act": "silu",
         "attention_bias": False,
         "vocab_size": arch.target_vocab_size,
@@ -285,10 +285,12 @@ def _arch_fields(fmt: str, config: dict, layer: dict, num_aux: int, problems: li
             "predicts over the full vocab: write draft_vocab_size explicitly (eyas remap)"
         )
     layers = layer.get("num_hidden_layers", 1)
-    if layers != 1:
+    if layers != 1 and get_format(fmt).stack and isinstance(layers, int) and layers > 1:
+        fields["num_layers"] = layers
+    elif layers != 1:
         problems.append(
-            f"num_hidden_layers: {layers}, expected 1; eyas reads single-layer EAGLE-3 drafts only: serve it with "
-            "its own tools"
+            f"num_hidden_layers: {layers}, expected 1 in format {fmt}, which holds one draft layer (a stack of layers "
+            "is read from format sglang-0.5.12, layers.{i}.*): serve it with its own tools"
         )
     target_h = config.get("target_hidden_size")
     if target_h is None and "target_hidden_size" in config and fmt != "speculators":

@@ -30,7 +30,7 @@ from eyas.export.keys import (
     invert_key_map,
     remap_keys,
 )
-from eyas.export.serving import SGLANG_FORMAT_SINCE, num_aux_problem, option_problems
+from eyas.export.serving import SGLANG_FORMAT_SINCE, num_aux_problem, num_layers_problem, option_problems
 from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.train.checkpoint import (
     ARCH_FILE,
@@ -67,11 +67,17 @@ def convert_checkpoint(
         unserved = option_problems(ckpt.arch.options(), to, sglang_version)
     except ValueError as err:
         raise ExportError(f"{where}: {err}") from err
-    if unserved:
-        raise ExportError(f"{where}: the draft's options cannot be served by format {to}: " + "; ".join(unserved))
-    aux_problem = num_aux_problem(ckpt.arch.num_aux, to, sglang_version)
-    if aux_problem:
-        raise ExportError(f"{where}: {aux_problem}")
+    problems = [f"the draft's options cannot be served by format {to}: " + "; ".join(unserved)] if unserved else []
+    problems += [
+        problem
+        for problem in (
+            num_aux_problem(ckpt.arch.num_aux, to, sglang_version),
+            num_layers_problem(ckpt.arch.num_layers, to),
+        )
+        if problem
+    ]
+    if problems:
+        raise ExportError(f"{where}: " + "; ".join(problems))
     check_vocab_mapping(ckpt.state["d2t"], ckpt.state["t2d"], where, ckpt.arch.draft_vocab_size)
     key_map = fmt.key_map_for(ckpt.arch)
     needed = set(invert_key_map(key_map).values())
@@ -153,8 +159,8 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 
 def export_run(config: RunConfig) -> Path:
-    """The stage entry: the newest complete training checkpoint -> RUN/export/sglang, checked against SGLang's
-    exact key set."""
+    """The stage entry: the newest complete training checkpoint -> RUN/export/sglang in export.format, checked
+    against that format's exact key set."""
     checkpoint = latest_complete(config.paths.train_dir)
     if checkpoint is None:
         raise FileNotFoundError(
@@ -162,9 +168,10 @@ def export_run(config: RunConfig) -> Path:
         )
     target = TargetRef.read(config.target.model_path)
     e = config.export
-    out = export_sglang(
+    out = export_checkpoint(
         checkpoint,
         config.paths.export_dir / SGLANG_EXPORT,
+        to=e.format,
         dtype=e.dtype,
         target=target,
         sglang_version=e.sglang_version or None,

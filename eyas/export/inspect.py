@@ -68,6 +68,7 @@ _SHOWN_CONFIG = (
     "norm_before_fc",
     "fc_norm",
     "norm_output",
+    "num_hidden_layers",
 )
 
 
@@ -149,7 +150,7 @@ def inspect_drafter(
     shapes = {**shapes, **{k: expected[k] for k in derivable if k in expected}}
     if report.format != "eyas":
         matches = {f: _loads(f, shapes, arch) for e in ENGINES.values() for f in e.formats}
-        report.engines = serving_engines(report.format, matches, report.options)
+        report.engines = serving_engines(report.format, matches, report.options, getattr(arch, "num_layers", 1))
     _check_keys(report, arch, shapes)
     if "d2t" in report.shapes and "t2d" in report.shapes:
         d2t, t2d = read_small_tensor(weights, "d2t"), read_small_tensor(weights, "t2d")
@@ -234,10 +235,11 @@ def _check_keys(report: InspectReport, arch: SimpleNamespace, shapes: dict) -> N
 
 
 def _loads(fmt: str, shapes: dict, arch: SimpleNamespace) -> bool:
-    """Whether the key set is exactly `fmt`'s for this draft (shapes are checked separately)."""
+    """Whether the key set is exactly `fmt`'s for this draft (shapes are checked separately); a format
+    without a stack never loads a draft of num_layers > 1."""
     try:
         return set(shapes) == set(expected_shapes(fmt, arch))
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, ValueError):
         return False
 
 

@@ -11,7 +11,8 @@ version), `sglang-0.5.12` (`layers.0.*`: SGLang >= 0.5.12 only, <= 0.5.11 drops 
 `vllm`, `speculators` (`layers.0.*`, keeps embed_tokens) and `eagle` (EAGLE official /
 SpecForge naming, layer ids fixed by the target's code). eyas.export.serving says which key sets and
 draft options each engine version serves. A draft option's tensors (eyas.draft_keys.option_shapes) keep
-their names in every format: `Format.key_map_for(arch)`.
+their names in every format: `Format.key_map_for(arch)`. A draft of num_layers > 1 keeps `layers.{i}.*` in
+the formats that hold a stack (`eyas`, `sglang-0.5.12`: `Format.stack`); the others have no place for it.
 
 Each format's layer-id convention names a rule of eyas.layer_ids. This module imports no torch:
 `eyas inspect` uses it on headers only.
@@ -30,6 +31,7 @@ from eyas.draft_keys import (
     Shapes,
     check_key_set,
     expected_eyas_shapes,
+    layer_prefixes,
     option_shapes,
 )
 from eyas.layer_ids import sglang_convention
@@ -53,10 +55,23 @@ class Format:
     key_map: dict[str, str | None]
     layer_id_convention: str
     description: str
+    stack: bool = False  # holds a draft of num_layers > 1, as layers.{i}.* (the eyas names)
 
     def key_map_for(self, arch) -> dict[str, str | None]:
-        """The key map of a draft with `arch`: the plain draft's map and its option tensors, which keep their names."""
-        return {**self.key_map, **{k: k for k in option_shapes(arch)}}
+        """The key map of a draft with `arch`: the plain draft's map and its option tensors, which keep their
+        names; for num_layers > 1, every layers.{i}.* key keeps its name (a format without `stack` refuses)."""
+        num_layers = getattr(arch, "num_layers", 1)
+        if num_layers == 1:
+            return {**self.key_map, **{k: k for k in option_shapes(arch)}}
+        if not self.stack:
+            stacks = sorted(f.name for f in FORMATS.values() if f.stack)
+            raise ValueError(
+                f"format {self.name}: holds one draft layer, found num_layers={num_layers}; export a stack to one "
+                f"of {stacks}"
+            )
+        kept = {k: v for k, v in self.key_map.items() if not k.startswith(EYAS_LAYER_PREFIX)}
+        layers = {k: k for k in expected_eyas_shapes(arch) if k.startswith(tuple(layer_prefixes(num_layers)))}
+        return {**kept, **layers, **{k: k for k in option_shapes(arch)}}
 
 
 # embed_tokens is dropped wherever the engine replaces the draft's embedding with the target's
@@ -64,9 +79,9 @@ class Format:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("eyas", _key_map("midlayer.", keep_embed=True), "hf_hidden_states", "eyas training checkpoint"),
+        Format("eyas", _key_map("midlayer.", keep_embed=True), "hf_hidden_states", "eyas training checkpoint", True),
         Format("sglang", _key_map("midlayer.", keep_embed=False), "sglang_llama", "SGLang, every version"),
-        Format("sglang-0.5.12", _key_map("layers.0.", keep_embed=False), "sglang_llama", "SGLang >= 0.5.12 only"),
+        Format("sglang-0.5.12", _key_map("layers.0.", keep_embed=False), "sglang_llama", "SGLang >= 0.5.12 only", True),
         Format("vllm", _key_map("midlayer.", keep_embed=False), "vllm", "vLLM Eagle3LlamaForCausalLM"),
         Format("speculators", _key_map("layers.0.", keep_embed=True), "speculators", "speculators >= 0.9"),
         Format("eagle", _key_map("midlayer.", keep_embed=False), "eagle_fixed", "EAGLE official / SpecForge"),

@@ -10,6 +10,8 @@ Read in each engine's code, not assumed. SGLang: `sglang/srt/models/llama_eagle3
   to the next draft step (LlamaModel.forward: `aux = hidden_states_to_logits if self.norm_output`).
 - aux count: 0.5.10 and 0.5.11 build fc for exactly 3 aux layers (`hidden_size_in * 3`); from 0.5.12 it is
   `num_aux_hidden_states`, else len(eagle_config.eagle_aux_hidden_state_layer_ids), else 3.
+- 0.5.12: builds `config.num_hidden_layers` draft layers (`model.layers`, layer 0 `is_input_layer` with 2H-wide
+  qkv, later layers H-wide with hidden_norm fused over the residual); 0.5.10 and 0.5.11 raise for any count but 1.
 - 0.5.17: `norm_before_fc` (eagle_config, else the top level): one RMSNorm over the concatenated aux
   input, `input_norm.weight`.
 - no version: `norm_before_residual`; the first layer's residual is always the raw hidden input.
@@ -35,6 +37,9 @@ SGLANG_OPTION_SINCE: dict[str, str | None] = {
 SGLANG_OLDEST = "0.5.10"  # the oldest release these tables were read in; format "sglang" serves it and later
 SGLANG_LAYERS0_SINCE = "0.5.12"  # the first release that loads layers.0.* (format sglang-0.5.12)
 SGLANG_ANY_NUM_AUX_SINCE = "0.5.12"  # before it, fc takes exactly 3 aux layers
+# The first release that builds num_hidden_layers draft layers (model.layers; 0.5.10 and 0.5.11 raise "EAGLE3
+# currently only supports 1 layer" for any other count).
+SGLANG_NUM_LAYERS_SINCE = "0.5.12"
 FIXED_NUM_AUX = 3  # older SGLang, and EAGLE official's cnets.py: fc = Linear(3 * H, H)
 # The oldest SGLang release each SGLang format is for.
 SGLANG_FORMAT_SINCE = {"sglang": SGLANG_OLDEST, "sglang-0.5.12": SGLANG_LAYERS0_SINCE}
@@ -49,11 +54,13 @@ FORMAT_OPTIONS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Engine:
-    """An engine version range: the formats whose exact key set it fills, the draft options it runs."""
+    """An engine version range: the formats whose exact key set it fills, the draft options it runs, and
+    whether it runs a stack of draft layers (num_layers > 1) as eyas trains it."""
 
     name: str
     formats: tuple[str, ...]
     options: tuple[str, ...]
+    stacks: bool = False
 
 
 def _version(text: str) -> tuple[int, int, int]:
@@ -76,8 +83,8 @@ ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
         Engine("sglang<=0.5.11", ("sglang", "eagle"), sglang_options("0.5.11")),
-        Engine("sglang>=0.5.12", _SGLANG_KEYS, sglang_options("0.5.12")),
-        Engine("sglang>=0.5.17", _SGLANG_KEYS, sglang_options("0.5.17")),
+        Engine("sglang>=0.5.12", _SGLANG_KEYS, sglang_options("0.5.12"), stacks=True),
+        Engine("sglang>=0.5.17", _SGLANG_KEYS, sglang_options("0.5.17"), stacks=True),
         Engine("vllm", ("sglang", "sglang-0.5.12", "vllm", "speculators", "eagle"), FORMAT_OPTIONS["vllm"]),
         Engine("speculators>=0.9", ("speculators",), FORMAT_OPTIONS["speculators"]),
     )
@@ -116,6 +123,28 @@ def num_aux_problem(num_aux: int, fmt: str, sglang_version: str | None = None) -
     )
 
 
+# Why a destination without a stack cannot take a draft of num_layers > 1.
+_NO_STACK = {
+    "sglang": f"format sglang holds one draft layer (midlayer.*) and SGLang before {SGLANG_NUM_LAYERS_SINCE} refuses "
+    "num_hidden_layers != 1",
+    "vllm": "eyas has not read vLLM's draft stack against SGLang's",
+    "eagle": "EAGLE official builds one draft layer (cnets.py midlayer)",
+    "speculators": "speculators' later layers are plain Llama layers (input_layernorm where SGLang reads hidden_norm), "
+    "a conversion eyas does not make",
+}
+
+
+def num_layers_problem(num_layers: int, fmt: str) -> str | None:
+    """Why a draft of `num_layers` decoder layers cannot be exported to `fmt`, with the fix; None when it can
+    (one layer goes everywhere; a stack to eyas and sglang-0.5.12, SGLang >= SGLANG_NUM_LAYERS_SINCE)."""
+    if num_layers == 1 or fmt not in _NO_STACK:
+        return None
+    return (
+        f"num_layers={num_layers}: {_NO_STACK[fmt]}; export a stack of draft layers to format sglang-0.5.12 "
+        f"(layers.{{i}}.*, served by SGLang >= {SGLANG_NUM_LAYERS_SINCE}) or train draft.num_layers 1"
+    )
+
+
 def option_problems(options: tuple[str, ...], fmt: str, sglang_version: str | None = None) -> list[str]:
     """Why each draft option in `options` would not run in an export to `fmt` (for SGLang: on every server from
     `sglang_version`); [] when all run."""
@@ -145,11 +174,15 @@ def option_problems(options: tuple[str, ...], fmt: str, sglang_version: str | No
     return problems
 
 
-def serving_engines(fmt: str, key_set_matches: dict[str, bool], options: tuple[str, ...]) -> dict[str, bool]:
-    """{engine: whether it fills every tensor and runs every option}, given which formats' exact key sets
-    the drafter has (`key_set_matches[format]`)."""
+def serving_engines(
+    fmt: str, key_set_matches: dict[str, bool], options: tuple[str, ...], num_layers: int = 1
+) -> dict[str, bool]:
+    """{engine: whether it fills every tensor, runs every option and (num_layers > 1) runs the stack}, given
+    which formats' exact key sets the drafter has (`key_set_matches[format]`)."""
     return {
-        name: any(key_set_matches.get(f, False) for f in e.formats) and set(options) <= set(e.options)
+        name: any(key_set_matches.get(f, False) for f in e.formats)
+        and set(options) <= set(e.options)
+        and (num_layers == 1 or e.stacks)
         for name, e in ENGINES.items()
     }
 
@@ -180,3 +213,6 @@ def check_variant_served(config) -> None:
     )
     if problem:
         raise ValueError(problem)
+    problem = num_layers_problem(config.draft.num_layers, config.export.format)
+    if problem:
+        raise ValueError(f"draft.num_layers with export.format={config.export.format!r}: {problem}")

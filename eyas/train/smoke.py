@@ -31,7 +31,7 @@ from eyas.train.data import collate
 from eyas.train.launch import train_job
 from eyas.train.trainer import TTTObjective, build_setup, make_optimizer, reduce_stats, train_step
 
-# Rows of the approval gate's module table, in forward order.
+# Rows of the approval gate's module table, in forward order, for a plain single-layer draft (module_rows).
 MODULE_ROWS = (
     "embed_tokens",
     "fc",
@@ -43,6 +43,23 @@ MODULE_ROWS = (
     "norm",
     "lm_head",
 )
+_LAYER_ROWS = ("input_layernorm", "hidden_norm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def module_rows(draft: Eagle3Draft) -> tuple[str, ...]:
+    """The module table's rows of `draft` in forward order: MODULE_ROWS with the variant's norms before fc and
+    every decoder layer (a later layer has no input_layernorm)."""
+    options = [name for name in ("input_norm", "fc_norm") if hasattr(draft, name)]
+    prefixes = ["midlayer"] if draft.arch.num_layers == 1 else [f"layers.{i}" for i in range(draft.arch.num_layers)]
+    layers = [
+        f"{prefix}.{row}"
+        for i, prefix in enumerate(prefixes)
+        for row in _LAYER_ROWS
+        if i == 0 or row != "input_layernorm"
+    ]
+    return ("embed_tokens", *options, "fc", *layers, "norm", "lm_head")
+
+
 LOSS_WINDOW = 5
 SMOKE_FILE = "smoke.json"
 
@@ -70,7 +87,8 @@ def module_table(draft: Eagle3Draft) -> list[dict]:
     """One row per draft module: name, parameter count, parameter shapes, trainable (all its params)."""
     modules = dict(draft.named_modules())
     rows, covered = [], set()
-    for name in MODULE_ROWS:
+    rows_of = module_rows(draft)
+    for name in rows_of:
         params = dict(modules[name].named_parameters())
         covered.update(f"{name}.{p}" for p in params)
         rows.append(
@@ -83,7 +101,7 @@ def module_table(draft: Eagle3Draft) -> list[dict]:
         )
     uncovered = sorted(dict(draft.named_parameters()).keys() - covered)
     if uncovered:
-        raise ValueError(f"module_table: parameters {uncovered} belong to no row of {MODULE_ROWS}; add their module")
+        raise ValueError(f"module_table: parameters {uncovered} belong to no row of {rows_of}; add their module")
     return rows
 
 

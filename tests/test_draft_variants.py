@@ -280,6 +280,7 @@ def test_a_two_layer_draft_trains_exports_as_a_stack_and_is_refused_where_it_wou
 
     from eyas.export.convert import ExportError
     from eyas.export.inspect import inspect_drafter
+    from eyas.export.remap import remap_checkpoint
     from eyas.train.checkpoint import latest_complete
     from eyas.train.smoke import module_table
 
@@ -314,6 +315,11 @@ def test_a_two_layer_draft_trains_exports_as_a_stack_and_is_refused_where_it_wou
     assert report.engines["sglang>=0.5.12"] and report.engines["sglang>=0.5.17"]
     assert not report.engines["sglang<=0.5.11"] and not report.engines["vllm"]
     assert inspect_drafter(ckpt_dir).ok
+    again = remap_checkpoint(out, tmp_path / "again", to="sglang-0.5.12", sglang_version="0.5.23")  # read back
+    assert json.loads((again / "config.json").read_text())["num_hidden_layers"] == 2
+    assert load_file(again / "model.safetensors").keys() == exported.keys()
+    with pytest.raises(ExportError, match=r"num_layers=2: format sglang holds one draft layer"):
+        remap_checkpoint(out, tmp_path / "flat-remap", to="sglang", sglang_version="0.5.23")
     with pytest.raises(ExportError, match=r"num_layers=2: format sglang holds one draft layer .*export a stack of "
                        r"draft layers to format sglang-0.5.12 \(layers.\{i\}.\*, served by SGLang >= 0.5.12\)"):  # fmt: skip
         export_checkpoint(ckpt_dir, tmp_path / "flat", to="sglang", sglang_version="0.5.23")

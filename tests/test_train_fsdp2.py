@@ -30,8 +30,9 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "checkpoints" / f"step-{STEPS:08d}" / "model.safetensors")
 
 
-def train_both(root: Path, run: dict, **train) -> dict:
-    """The same job on 2 gloo ranks under DDP and under FSDP2: {parallelism: {job, out, stdout, metrics}}."""
+def train_both(root: Path, run: dict, draft: dict | None = None, **train) -> dict:
+    """The same job on 2 gloo ranks under DDP and under FSDP2: {parallelism: {job, out, stdout, metrics}};
+    `draft` updates the job's draft section."""
     runs = {}
     for parallelism in ("ddp", "fsdp2"):
         out = root / parallelism / "out"
@@ -46,6 +47,7 @@ def train_both(root: Path, run: dict, **train) -> dict:
             parallelism=parallelism,
             **train,
         )
+        job = job.model_copy(update={"draft": job.draft.model_copy(update=draft or {})})
         job_path = out.parent / "job.json"
         out.parent.mkdir(parents=True)
         job_path.write_text(job.model_dump_json())
@@ -99,6 +101,14 @@ def test_fsdp2_writes_the_ddp_optimizer_state_format(clipped):
 def test_fsdp2_matches_ddp_bit_for_bit_without_clipping(tiny_run, tmp_path):
     runs = train_both(tmp_path, tiny_run, max_grad_norm=1e6)
     ddp, fsdp2 = final_weights(runs["ddp"]["out"]), final_weights(runs["fsdp2"]["out"])
+    assert sorted(k for k in ddp if not torch.equal(ddp[k], fsdp2[k])) == []
+
+
+def test_fsdp2_trains_a_stack_of_layers_with_norms_as_ddp_does(tiny_run, tmp_path):
+    """draft.num_layers 2 with eagle3.1's norms: FSDP2 shards the stack with the rest, and its weights equal DDP's."""
+    runs = train_both(tmp_path, tiny_run, draft={"num_layers": 2, "variant": "eagle3.1"}, max_grad_norm=1e6)
+    ddp, fsdp2 = final_weights(runs["ddp"]["out"]), final_weights(runs["fsdp2"]["out"])
+    assert {"layers.1.hidden_norm.weight", "fc_norm.0.weight"} <= ddp.keys() == fsdp2.keys()
     assert sorted(k for k in ddp if not torch.equal(ddp[k], fsdp2[k])) == []
 
 

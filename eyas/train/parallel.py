@@ -67,8 +67,8 @@ def init_distributed(backend: str) -> Dist:
 def parallelize(objective: nn.Module, parallelism: Parallelism, device: torch.device) -> nn.Module:
     """The module a training step calls: `objective` wrapped by DDP, or `objective` itself sharded by FSDP2.
 
-    FSDP2 shards the objective as one group (the draft is a single decoder layer: there is no stack of
-    layers to group one by one), because only `objective.forward` is ever called: the draft's own
+    FSDP2 shards the objective as one group (the draft is one decoder layer or a short stack: too small to
+    group layer by layer), because only `objective.forward` is ever called: the draft's own
     methods run inside it, after FSDP2's pre-forward hook has gathered the parameters. The frozen
     embed_tokens is sharded like the rest; buffers (d2t, t2d) stay plain tensors on every rank.
     """

@@ -285,7 +285,7 @@ def _arch_fields(fmt: str, config: dict, layer: dict, num_aux: int, problems: li
             "predicts over the full vocab: write draft_vocab_size explicitly (eyas remap)"
         )
     layers = layer.get("num_hidden_layers", 1)
-    if layers != 1 and get_format(fmt).stack and isinstance(layers, int) and layers > 1:
+    if isinstance(layers, int) and layers > 1 and get_format(fmt).stack:
         fields["num_layers"] = layers
     elif layers != 1:
         problems.append(

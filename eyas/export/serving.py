@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from eyas.draft_keys import DRAFT_OPTIONS
 from eyas.engines.sglang import parse_version
+from eyas.export.keys import get_format
 
 # The first SGLang release that runs each draft option (None: no release does), and what it does there.
 SGLANG_OPTION_SINCE: dict[str, str | None] = {
@@ -123,7 +124,7 @@ def num_aux_problem(num_aux: int, fmt: str, sglang_version: str | None = None) -
     )
 
 
-# Why a destination without a stack cannot take a draft of num_layers > 1.
+# Why a destination without a stack (eyas.export.keys.Format.stack) cannot take a draft of num_layers > 1.
 _NO_STACK = {
     "sglang": f"format sglang holds one draft layer (midlayer.*) and SGLang before {SGLANG_NUM_LAYERS_SINCE} refuses "
     "num_hidden_layers != 1",
@@ -137,10 +138,11 @@ _NO_STACK = {
 def num_layers_problem(num_layers: int, fmt: str) -> str | None:
     """Why a draft of `num_layers` decoder layers cannot be exported to `fmt`, with the fix; None when it can
     (one layer goes everywhere; a stack to eyas and sglang-0.5.12, SGLang >= SGLANG_NUM_LAYERS_SINCE)."""
-    if num_layers == 1 or fmt not in _NO_STACK:
+    if num_layers == 1 or get_format(fmt).stack:
         return None
+    why = _NO_STACK.get(fmt, f"format {fmt} holds one draft layer")
     return (
-        f"num_layers={num_layers}: {_NO_STACK[fmt]}; export a stack of draft layers to format sglang-0.5.12 "
+        f"num_layers={num_layers}: {why}; export a stack of draft layers to format sglang-0.5.12 "
         f"(layers.{{i}}.*, served by SGLang >= {SGLANG_NUM_LAYERS_SINCE}) or train draft.num_layers 1"
     )
 

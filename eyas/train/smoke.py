@@ -24,6 +24,7 @@ import torch
 
 from eyas.config import RunConfig, SmokeConfig, TrainJob
 from eyas.draft import Eagle3Draft
+from eyas.draft_keys import layer_prefixes
 from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.train.checkpoint import TRAINER_STATE_FILE, list_checkpoints, save_checkpoint
@@ -43,19 +44,17 @@ MODULE_ROWS = (
     "norm",
     "lm_head",
 )
-_LAYER_ROWS = ("input_layernorm", "hidden_norm", "self_attn", "post_attention_layernorm", "mlp")
 
 
 def module_rows(draft: Eagle3Draft) -> tuple[str, ...]:
     """The module table's rows of `draft` in forward order: MODULE_ROWS with the variant's norms before fc and
-    every decoder layer (a later layer has no input_layernorm)."""
+    the submodules of every decoder layer (a later layer has no input_layernorm)."""
     options = [name for name in ("input_norm", "fc_norm") if hasattr(draft, name)]
-    prefixes = ["midlayer"] if draft.arch.num_layers == 1 else [f"layers.{i}" for i in range(draft.arch.num_layers)]
+    prefixes = layer_prefixes(draft.arch.num_layers)
     layers = [
-        f"{prefix}.{row}"
-        for i, prefix in enumerate(prefixes)
-        for row in _LAYER_ROWS
-        if i == 0 or row != "input_layernorm"
+        f"{prefix}{name}"
+        for prefix, layer in zip(prefixes, draft.decoder_layers(), strict=True)
+        for name, _ in layer.named_children()
     ]
     return ("embed_tokens", *options, "fc", *layers, "norm", "lm_head")
 

@@ -378,6 +378,26 @@ class TrainConfig(StrictModel):
         "each run of W consecutive shards, so a stretch of steps reads W shards: with cache_bytes set, choose W at "
         "most half the shards the cache holds, so the next window arrives while the current one trains",
     )
+    eval_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        lt=0.5,
+        description="0 = no held-out evaluation; f > 0 = that share of the samples (at least one per rank) is held "
+        "out of training, chosen by a hash of the sample index (so the split never changes with the world size or a "
+        "resume), and evaluated every eval_every_steps and at every checkpoint: teacher-forced accuracy per draft "
+        "position and the acceptance length it implies for a chain of bench.num_steps (eyas.train.evaluate)",
+    )
+    eval_every_steps: int = Field(
+        default=0,
+        ge=0,
+        description="evaluate the held-out split every this many optimizer steps as well; 0 = only at the "
+        "checkpoints (each checkpoint is always evaluated, so the BEST marker can compare them)",
+    )
+    tensorboard: bool = Field(
+        default=True,
+        description="rank 0 writes TensorBoard event files to OUTPUT/tb (loss, accuracy per position, estimated tau, "
+        "lr, grad norm, tokens/s); open them with `tensorboard --logdir RUN/train/tb`",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -430,6 +450,11 @@ class ExportConfig(StrictModel):
         default="sglang",
         description="the export stage's format: sglang = midlayer.* (every SGLang release); sglang-0.5.12 = "
         "layers.{i}.* (SGLang >= 0.5.12; needed for draft.num_layers > 1); eyas remap converts to others",
+    )
+    checkpoint: Literal["best", "last"] = Field(
+        default="best",
+        description="which training checkpoint is exported: best = the one the BEST marker names (the highest "
+        "estimated acceptance on the held-out split; the newest when train.eval_fraction is 0), last = the newest",
     )
     dtype: DType = Field(default="float32", description="dtype of the exported weights")
     sglang_version: str = Field(
@@ -544,6 +569,9 @@ class TrainJob(StrictModel):
     draft: DraftConfig = Field(description="the draft's decoder layer")
     train: TrainConfig = Field(description="the training run")
     max_samples: int = Field(default=0, ge=0, description="use the first N samples; 0 = all")
+    chain_steps: int = Field(
+        default=3, ge=1, description="bench.num_steps: the draft chain the held-out evaluation estimates tau for"
+    )
 
     @model_validator(mode="after")
     def _remote_shards_need_a_cache(self) -> "TrainJob":

@@ -13,22 +13,37 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tasks.retry import is_transient, log_to_run
 
+LOG_INTERVAL_S = 30.0  # without a terminal, a progress line at most this often (and the first and the last)
+
 
 class StageProgress:
-    """A Prefect progress artifact and a terminal bar fed by `eyas` progress callbacks.
+    """A Prefect progress artifact, and a rich bar on a terminal or a log line at most every LOG_INTERVAL_S
+    elsewhere (`make demo` piped, `kubectl logs`, the Prefect UI's log), fed by `eyas` progress callbacks.
 
-    `done_key` / `total_key` name the fields of the callback's dict that measure progress.
-    Updates to the server are throttled to one per `min_interval_s`.
+    `done_key` / `total_key` name the fields of the callback's dict that measure progress. Updates to the server
+    are throttled to one per `min_interval_s`. `terminal` None asks rich whether stdout is a terminal.
     """
 
-    def __init__(self, key: str, title: str, done_key: str, total_key: str, min_interval_s: float = 1.0):
+    def __init__(
+        self,
+        key: str,
+        title: str,
+        done_key: str,
+        total_key: str,
+        min_interval_s: float = 1.0,
+        *,
+        terminal: bool | None = None,
+        log_interval_s: float = LOG_INTERVAL_S,
+    ):
         self.done_key, self.total_key, self.title = done_key, total_key, title
-        self.min_interval_s = min_interval_s
+        self.min_interval_s, self.log_interval_s = min_interval_s, log_interval_s
         self.artifact_id = create_progress_artifact(progress=0.0, key=key, description=title)
+        self.terminal = Console().is_terminal if terminal is None else terminal
         self.bar = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -38,20 +53,32 @@ class StageProgress:
         )
         self.bar_task = None
         self.last_sent = 0.0
+        self.last_logged: float | None = None
+        self.first: tuple[float, int] | None = None  # (time, done) of the first update
 
     def __enter__(self) -> "StageProgress":
-        self.bar.start()
+        if self.terminal:
+            self.bar.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.bar.stop()
+        if self.terminal:
+            self.bar.stop()
 
     def __call__(self, info: dict) -> None:
         done, total = info[self.done_key], max(1, info[self.total_key])
-        if self.bar_task is None:
-            self.bar_task = self.bar.add_task(self.title, total=total)
-        self.bar.update(self.bar_task, completed=done, total=total)
         now = time.monotonic()
+        if self.first is None:
+            self.first = (now, done)
+        elif "eta_s" not in info and done > self.first[1]:  # from this launch's rate, when the callback gives none
+            info = {**info, "eta_s": (now - self.first[0]) / (done - self.first[1]) * max(total - done, 0)}
+        if self.terminal:
+            if self.bar_task is None:
+                self.bar_task = self.bar.add_task(self.title, total=total)
+            self.bar.update(self.bar_task, completed=done, total=total)
+        elif self.last_logged is None or now - self.last_logged >= self.log_interval_s or done >= total:
+            log_to_run(self.describe(info))
+            self.last_logged = now
         if now - self.last_sent >= self.min_interval_s or done >= total:
             self.send(100.0 * done / total, self.describe(info))
             self.last_sent = now
@@ -67,11 +94,18 @@ class StageProgress:
             log_to_run(f"progress update of {self.title!r} not sent ({type(exc).__name__}: {exc}); continuing")
 
     def describe(self, info: dict) -> str:
-        """The title with done/total of every counted quantity and the ETA, when the callback gives them."""
-        parts = [self.title]
-        for name in ("shards", "samples", "tokens"):
+        """The title with done/total of every counted quantity, the figures the callback gives (a `pass` name,
+        step/total, loss, accuracy, estimated tau) and the ETA."""
+        parts = [self.title + (f" ({info['pass']})" if info.get("pass") else "")]
+        for name in ("step", "prompts", "shards", "samples", "tokens"):
             if f"{name}_done" in info and f"{name}_total" in info:
                 parts.append(f"{name} {info[f'{name}_done']:,}/{info[f'{name}_total']:,}")
+        if info.get("loss") is not None:
+            parts.append(f"loss {info['loss']:.4f}")
+        if info.get("acc_k"):
+            parts.append("acc " + "/".join(f"{a:.2f}" for a in info["acc_k"]))
+        if info.get("tau_estimate") is not None:
+            parts.append(f"est. tau {info['tau_estimate']:.2f}")
         if info.get("tokens_per_s") is not None:
             parts.append(f"{info['tokens_per_s']:,.1f} tokens/s")
         if info.get("eta_s") is not None:

@@ -10,12 +10,13 @@ from prefect.cache_policies import NO_CACHE
 
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
+from eyas.markdown import dict_table
 from eyas.train.launch import TorchrunFailed, planned_steps, train_run
 from eyas.train.metrics import METRICS_FILE, read_metrics
 from eyas.train.preflight import preflight_run
 from eyas.train.smoke import smoke_run as run_smoke
 from tasks.caching import cached_by
-from tasks.reporting import StageProgress, png_artifact
+from tasks.reporting import StageProgress, markdown_artifact, png_artifact
 from tasks.retry import failure_of, log_to_run
 
 MAX_RELAUNCHES = 2
@@ -81,13 +82,24 @@ def preflight(config: RunConfig) -> dict:
 def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
     """Run the trainer under torchrun, resuming from the newest complete checkpoint; stream rank-0 metrics
     into progress and a loss curve."""
-    total_samples = planned_steps(facts.num_samples, config) * config.train.global_batch_size
     metrics: list[dict] = []
-    with StageProgress("train-progress", "training", "samples_consumed", "total") as progress:
+    last_step = planned_steps(facts.num_samples, config)
+    latest_eval: dict = {}
+    with StageProgress("train-progress", "training", "step_done", "step_total") as progress:
 
         def on_metric(record: dict) -> None:
             metrics.append(record)
-            progress({"samples_consumed": record["samples_consumed"], "total": total_samples})
+            latest_eval.update(record.get("eval") or {})
+            progress(
+                {
+                    "step_done": record["step"],
+                    "step_total": last_step,
+                    "loss": record["loss"],
+                    "acc_k": record["acc_k"],
+                    "tau_estimate": latest_eval.get("tau_estimate"),
+                    "tokens_per_s": record.get("tokens_per_s"),
+                }
+            )
 
         final = train_run(config, facts, on_metric=on_metric)
     # the whole run, from the metric stream every launch appended to (one record per step after any resume),
@@ -98,8 +110,48 @@ def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
         else metrics
     )
     if history:
-        plot_loss(history)
+        plot_loss(history, final.get("best"))
+        report_evaluations(history, final.get("best"))
     return final
+
+
+def eval_rows(metrics: list[dict], best: dict | None) -> list[dict]:
+    """One row per held-out evaluation of the run: step, loss, accuracy per position, estimated tau, best."""
+    rows = []
+    for m in metrics:
+        e = m.get("eval")
+        if e:
+            rows.append(
+                {
+                    "step": m["step"],
+                    "eval loss": round(e["loss"], 4),
+                    "accuracy per position": " / ".join(f"{a:.3f}" for a in e["acc_k"]),
+                    "accepted per position (replayed)": " / ".join(f"{a:.3f}" for a in e["accept_rate_k"]),
+                    "estimated tau": round(e["tau_estimate"], 3),
+                    "best": "BEST" if best and best["step"] == m["step"] else "",
+                }
+            )
+    return rows
+
+
+def report_evaluations(metrics: list[dict], best: dict | None) -> None:
+    """A markdown artifact of the held-out evaluations (none when the run has no held-out split)."""
+    rows = eval_rows(metrics, best)
+    if not rows:
+        return
+    head = (
+        f"Best checkpoint: `{best['checkpoint']}` (estimated tau {best['tau_estimate']:.3f}); export.checkpoint "
+        "chooses best or last."
+        if best
+        else "No BEST marker."
+    )
+    chain = next(m["eval"]["chain_steps"] for m in reversed(metrics) if m.get("eval"))
+    markdown_artifact(
+        "train-evaluation",
+        f"# Held-out evaluation while training\n\n{head}\n\n{dict_table(rows)}\n\nEstimated tau: the verification "
+        f"rounds of a chain of {chain} replayed over the held-out responses (eyas.train.evaluate).",
+        "held-out accuracy and estimated tau per evaluation",
+    )
 
 
 def launch_starts(metrics: list[dict]) -> list[int]:
@@ -111,16 +163,19 @@ def launch_starts(metrics: list[dict]) -> list[int]:
     return starts
 
 
-def plot_loss(metrics: list[dict]) -> None:
-    """The loss per TTT step and the teacher-forced accuracy per draft position over the whole run, with the
-    steps where a resumed launch began marked."""
+def plot_loss(metrics: list[dict], best: dict | None = None) -> None:
+    """The loss per TTT step and the teacher-forced accuracy per draft position over the whole run, the held-out
+    evaluations (accuracy per position dashed, estimated tau on its own panel, the BEST checkpoint starred), with
+    the steps where a resumed launch began marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     with_acc = all(m.get("acc_k") for m in metrics)
-    fig, axes = plt.subplots(1, 2 if with_acc else 1, figsize=(11 if with_acc else 7, 3.5), squeeze=False)
+    evaluated = [m for m in metrics if m.get("eval")]
+    panels = 1 + with_acc + bool(evaluated)
+    fig, axes = plt.subplots(1, panels, figsize=(4 + 3.5 * panels, 3.5), squeeze=False)
     steps = [m["step"] for m in metrics]
     ax = axes[0][0]
     ax.plot(steps, [m["loss"] for m in metrics], label="total (weighted)")
@@ -133,10 +188,27 @@ def plot_loss(metrics: list[dict]) -> None:
         acc = axes[0][1]
         for k in range(len(metrics[0]["acc_k"])):
             acc.plot(steps, [m["acc_k"][k] for m in metrics], lw=0.9, label=f"position {k + 1}")
+        for k in range(len(evaluated[0]["eval"]["acc_k"]) if evaluated else 0):
+            acc.plot(
+                [m["step"] for m in evaluated],
+                [m["eval"]["acc_k"][k] for m in evaluated],
+                ls="--",
+                lw=0.9,
+                color=f"C{k}",
+                label=f"held-out {k + 1}",
+            )
         acc.set_xlabel("optimizer step")
         acc.set_ylabel("teacher-forced accuracy")
         acc.set_ylim(0, 1)
-        acc.legend(fontsize=7)
+        acc.legend(fontsize=7, ncol=2)
+    if evaluated:
+        tau = axes[0][-1]
+        tau.plot([m["step"] for m in evaluated], [m["eval"]["tau_estimate"] for m in evaluated], marker=".", lw=1)
+        if best:
+            tau.plot([best["step"]], [best["tau_estimate"]], marker="*", ms=12, color="C3", ls="", label="BEST")
+            tau.legend(fontsize=7)
+        tau.set_xlabel("optimizer step")
+        tau.set_ylabel(f"estimated tau (chain of {evaluated[-1]['eval']['chain_steps']}, held out)")
     starts = launch_starts(metrics)
     for step in starts[1:]:
         for row in axes:

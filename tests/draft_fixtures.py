@@ -103,10 +103,12 @@ def take_step(draft, optimizer, scheduler) -> None:
     scheduler.step()
 
 
-def save(output_dir: Path, step: int, training=None, keep_last: int = 5) -> Path:
-    """Save step `step` of a training run (make_training's by default) with save_checkpoint."""
+def save(output_dir: Path, step: int, training=None, keep_last: int = 5, trainer_state: dict | None = None) -> Path:
+    """Save step `step` of a training run (make_training's by default) with save_checkpoint; `trainer_state`
+    adds fields (an "eval" record)."""
     draft, optimizer, scheduler = training or make_training()
     state = {"samples_consumed": 8 * step, "epoch": 0, "world_size": 2, "global_batch_size": 8, "loss": 1.5}
+    state.update(trainer_state or {})
     return save_checkpoint(
         output_dir,
         step,

@@ -185,8 +185,9 @@ def test_a_crashed_training_resumes_from_the_newest_complete_checkpoint(tmp_path
     train = status.stage("train")
     assert train.state == "partial"
     planned = status.progress["train"]["planned_steps"]
-    assert int(ckpt.name.removeprefix("step-")) == planned == 60
-    assert train.detail.startswith("stopped: newest complete checkpoint step 20 of 60; last logged step 60")
+    # the preset holds 2 of the 32 samples out (eval_fraction 0.05): 30 // 16 = 1 step an epoch, 30 epochs
+    assert int(ckpt.name.removeprefix("step-")) == planned == 30
+    assert train.detail.startswith("stopped: newest complete checkpoint step 20 of 30; last logged step 30")
     assert status.next_steps()[0].startswith(f"`eyas train {path}`: resumes from step 20")
     assert status.progress["train"]["incomplete_checkpoints"] == 1
 

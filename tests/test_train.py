@@ -34,6 +34,7 @@ METRIC_KEYS = {
     "num_tokens",
     "elapsed_s",
     "sample_ids",
+    "tokens_per_s",
 }
 
 
@@ -89,6 +90,7 @@ def test_training_writes_complete_checkpoints_and_final_json(two_rank_run, tiny_
         "checkpoint": str(out / "checkpoints" / "step-00000006"),
         "step": STEPS,
         "final_loss": two_rank_run["metrics"][-1]["loss"],
+        "best": None,  # no held-out split: no BEST marker
     }
     draft, meta = load_draft(final["checkpoint"])
     assert meta["aux_layer_ids"] == AUX_LAYER_IDS and meta["trainer_state"]["world_size"] == 2

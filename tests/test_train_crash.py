@@ -1,5 +1,5 @@
 """Crash safety of the trainer: a 2-process run (DDP, and FSDP2) killed with SIGKILL at a random step resumes
-to weights bit-identical to an uninterrupted run's."""
+to weights bit-identical to an uninterrupted run's, with the same BEST marker (held-out evaluation on)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from run_fixtures import tiny_job, write_tiny_run
 from safetensors.torch import load_file
 
-from eyas.train.checkpoint import latest_complete
+from eyas.train.checkpoint import COMPLETE_MARKER, latest_complete, list_checkpoints, read_best
 from eyas.train.metrics import METRIC_PREFIX, METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,12 +72,13 @@ def write_job(run: dict, out: Path, parallelism: str) -> Path:
     job = tiny_job(
         run,
         out,
-        num_epochs=10,
+        num_epochs=14,  # 24 training samples: 3 steps an epoch
         max_steps=STEPS,
         global_batch_size=8,
         save_every_steps=3,
         num_checkpoints_kept=2,
         parallelism=parallelism,
+        eval_fraction=0.25,
     )
     path = out.parent / f"{out.name}.json"
     path.write_text(job.model_dump_json())
@@ -108,3 +109,12 @@ def test_sigkill_at_a_random_step_resumes_bit_identical(tmp_path, parallelism):
     assert different == [], f"killed at step {kill_step}, resumed from {survivor.name}: {different} differ"
     steps = [r["step"] for r in read_metrics(tmp_path / "crashed" / METRICS_FILE)]
     assert steps == list(range(1, STEPS + 1))  # one record per step after the resume
+    # the marker names the same checkpoint as the uninterrupted run's, and rotation kept it
+    best = read_best(tmp_path / "crashed")
+    assert best == read_best(tmp_path / "reference") and best is not None
+    assert (tmp_path / "crashed" / "checkpoints" / best["checkpoint"] / COMPLETE_MARKER).is_file()
+    evaluated = [r for r in read_metrics(tmp_path / "crashed" / METRICS_FILE) if "eval" in r]
+    assert [r["step"] for r in evaluated] == list(range(3, STEPS, 3)) + [STEPS]  # every checkpoint, no other step
+    assert best["tau_estimate"] == max(r["eval"]["tau_estimate"] for r in evaluated)
+    kept = [step for step, _, done in list_checkpoints(tmp_path / "crashed") if done]
+    assert kept[-2:] == [STEPS - 1 - (STEPS - 1) % 3, STEPS] and best["step"] in kept

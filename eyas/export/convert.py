@@ -37,6 +37,7 @@ from eyas.train.checkpoint import (
     COMPLETE_MARKER,
     DraftCheckpoint,
     arch_record,
+    best_checkpoint,
     latest_complete,
     read_checkpoint,
 )
@@ -159,15 +160,17 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 
 def export_run(config: RunConfig) -> Path:
-    """The stage entry: the newest complete training checkpoint -> RUN/export/sglang in export.format, checked
-    against that format's exact key set."""
-    checkpoint = latest_complete(config.paths.train_dir)
+    """The stage entry: the training checkpoint export.checkpoint chooses (best: the one the BEST marker names,
+    eyas.train.checkpoint.best_checkpoint; last: the newest complete one) -> RUN/export/sglang in export.format,
+    checked against that format's exact key set."""
+    e = config.export
+    pick = best_checkpoint if e.checkpoint == "best" else latest_complete
+    checkpoint = pick(config.paths.train_dir)
     if checkpoint is None:
         raise FileNotFoundError(
             f"export: no complete checkpoint under {config.paths.train_dir}/checkpoints; run the train stage first"
         )
     target = TargetRef.read(config.target.model_path)
-    e = config.export
     out = export_checkpoint(
         checkpoint,
         config.paths.export_dir / SGLANG_EXPORT,
@@ -176,5 +179,5 @@ def export_run(config: RunConfig) -> Path:
         target=target,
         sglang_version=e.sglang_version or None,
     )
-    print(f"exported {checkpoint.name} -> {out}")
+    print(f"exported {checkpoint.name} (export.checkpoint={e.checkpoint}) -> {out}")
     return out

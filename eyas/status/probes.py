@@ -27,7 +27,7 @@ from eyas.shards.encoding import extract_encoding
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
 from eyas.storage import LocalStorage
-from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, train_state
+from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, read_best, train_state
 from eyas.train.data import total_steps
 from eyas.train.launch import JOB_FILE, LOG_FILE
 from eyas.train.metrics import METRICS_FILE, last_metrics
@@ -227,9 +227,16 @@ def probe_train(ctx: Context) -> tuple[str, str, str]:
     if latest is not None:
         ts = state.trainer_state
         info |= {"checkpoint": str(latest), "step": ts["step"], "samples_consumed": ts["samples_consumed"]}
+        if ts.get("eval"):  # every checkpoint of a run with a held-out split was evaluated
+            info["eval"] = {"step": ts["step"], **ts["eval"]}
+    best = read_best(train_dir)
+    if best is not None:
+        info["best"] = best
     if metrics is not None:
-        keep = ("step", "epoch", "loss", "acc_k", "lr", "grad_norm", "elapsed_s")
+        keep = ("step", "epoch", "loss", "acc_k", "lr", "grad_norm", "elapsed_s", "tokens_per_s")
         info["last_metrics"] = {k: metrics[k] for k in keep if k in metrics}
+        if metrics.get("eval"):  # an evaluation newer than the checkpoint's
+            info["eval"] = {"step": metrics["step"], **metrics["eval"]}
     ctx.progress["train"] = info
     of = f" of {planned:,}" if planned else ""
     at = f"newest complete checkpoint step {info['step']:,}{of}" if latest else "no complete checkpoint"

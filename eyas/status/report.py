@@ -334,6 +334,12 @@ def _acceptance_line(progress: dict) -> str:
             + (f", random draft {acc['tau_random']:.2f}" if "tau_random" in acc else "")
             + (f"; acceptance per position {per_pos}" if per_pos else "")
         )
+    evaluated = progress.get("train", {}).get("eval")
+    if evaluated:
+        return (
+            f"no benchmark yet; estimated tau {evaluated['tau_estimate']:.2f} for a chain of "
+            f"{evaluated['chain_steps']} from the held-out split at step {evaluated['step']:,}"
+        )
     metrics = progress.get("train", {}).get("last_metrics")
     if metrics and metrics.get("acc_k"):
         acc_k = ", ".join(f"{a:.2f}" for a in metrics["acc_k"])
@@ -364,6 +370,13 @@ def _progress_lines(status: RunStatus) -> list[str]:
         lines.append(
             f"last metrics: step {m.get('step')}, epoch {m.get('epoch')}, loss {m.get('loss', float('nan')):.4f}, "
             f"lr {m.get('lr', 0):.2e}, {m.get('elapsed_s', 0):,.0f} s into the launch"
+        )
+    if t.get("eval"):
+        e, best = t["eval"], t.get("best")
+        lines.append(
+            f"held-out evaluation at step {e['step']:,}: estimated tau {e['tau_estimate']:.2f}, accuracy per "
+            f"position {', '.join(f'{a:.2f}' for a in e['acc_k'])}, loss {e['loss']:.4f}"
+            + (f"; best checkpoint {best['checkpoint']} (estimated tau {best['tau_estimate']:.2f})" if best else "")
         )
     lines.append(f"acceptance: {_acceptance_line(p)}")
     return lines

@@ -13,8 +13,15 @@ size. Contents:
   optimizer.pt         optimizer.state_dict() of an unsharded draft (integer parameter ids)
   scheduler.pt         lr scheduler state_dict()
   rng.pt               torch (and CUDA) RNG states
-  trainer_state.json   {"step", "samples_consumed", "epoch", "world_size", ...}
+  trainer_state.json   {"step", "samples_consumed", "epoch", "world_size", ..., "eval"}
   COMPLETE             written last
+
+`checkpoints/BEST` names the complete checkpoint with the highest estimated acceptance on the held-out split
+(trainer_state "eval"."tau_estimate", eyas.train.evaluate; a tie goes to the later step):
+{"checkpoint": "step-00000200", "step": 200, "tau_estimate": 2.41}. `update_best` writes it atomically after
+every checkpoint, before rotation, and again when a run resumes (a kill -9 between a checkpoint and its
+marker update is mended then, from the checkpoints' own trainer_state); rotation never deletes the checkpoint
+it names. A run without held-out evaluation has no marker, and `best_checkpoint` is then the newest.
 
 Everything is read back with `torch.load(..., weights_only=True)` and strict key checks; this module
 is the only reader of a checkpoint directory (`read_checkpoint` for the export, `load_draft` and
@@ -34,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.draft import DraftArch, Eagle3Draft
 from eyas.draft_keys import KeyCheckError, check_key_set, expected_eyas_shapes
-from eyas.fsio import TMP_MARKER, checked_safetensors_header, fsync_path, replace_dir, temp_path
+from eyas.fsio import TMP_MARKER, atomic_write_text, checked_safetensors_header, fsync_path, replace_dir, temp_path
 from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.train.parallel import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 
@@ -44,6 +51,7 @@ MODEL_FILE = "model.safetensors"
 ARCH_FILE = "arch.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 FINAL_FILE = "final.json"
+BEST_MARKER = "BEST"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -156,6 +164,7 @@ def write_checkpoint(
     torch.save(rng_state(), temp / "rng.pt")
     _write_json(temp / TRAINER_STATE_FILE, {**trainer_state, "step": step})
     commit_step_dir(temp, final, f"{step}\n")
+    update_best(output_dir)
     rotate_checkpoints(output_dir, keep_last)
     return final
 
@@ -169,13 +178,61 @@ def commit_step_dir(temp: Path, final: Path, marker_text: str) -> None:
     fsync_path(final)
 
 
+def _tau_of(checkpoint_dir: Path) -> float | None:
+    evaluated = read_trainer_state(checkpoint_dir).get("eval") or {}
+    return evaluated.get("tau_estimate")
+
+
+def read_best(output_dir: str | Path) -> dict | None:
+    """The BEST marker's record, or None when there is none."""
+    path = Path(output_dir) / CHECKPOINTS_DIR / BEST_MARKER
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def update_best(output_dir: str | Path) -> dict | None:
+    """Point BEST at the best evaluated checkpoint among the one it names and every complete one on disk;
+    returns the marker's record (None when no checkpoint was evaluated)."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    candidates = [
+        (tau, step, path.name)
+        for step, path, done in list_checkpoints(output_dir)
+        if done
+        for tau in [_tau_of(path)]
+        if tau is not None
+    ]
+    marked = read_best(output_dir)
+    if marked is not None and (root / marked["checkpoint"] / COMPLETE_MARKER).is_file():
+        candidates.append((marked["tau_estimate"], marked["step"], marked["checkpoint"]))
+    if not candidates:
+        return None
+    tau, step, name = max(candidates)
+    record = {"checkpoint": name, "step": step, "tau_estimate": tau}
+    if record != marked:
+        atomic_write_text(root / BEST_MARKER, json.dumps(record, sort_keys=True) + "\n")
+    return record
+
+
+def best_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint BEST names (complete, checked), else the newest complete one; None when there is none."""
+    marked = read_best(output_dir)
+    if marked is None:
+        return latest_complete(output_dir)
+    path = Path(output_dir) / CHECKPOINTS_DIR / marked["checkpoint"]
+    _require_complete(path)
+    return path
+
+
 def rotate_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints, plus older incomplete and temp dirs."""
+    """Delete all but the newest `keep_last` complete checkpoints and the one BEST names, plus older incomplete
+    and temp dirs."""
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: expected at least 1 (the newest checkpoint is never deleted)")
     entries = list_checkpoints(output_dir)
     complete = [(step, path) for step, path, done in entries if done]
     keep = {path for _, path in complete[-keep_last:]}
+    best = read_best(output_dir)
+    if best is not None:
+        keep.add(Path(output_dir) / CHECKPOINTS_DIR / best["checkpoint"])
     newest = complete[-1][0] if complete else -1
     doomed = [path for step, path, done in entries if path not in keep and (done or step < newest)]
     root = Path(output_dir) / CHECKPOINTS_DIR

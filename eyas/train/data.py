@@ -8,10 +8,16 @@ takes the next `global_batch_size` ids of it and rank r trains on `rank_slice(id
 position is the number of global samples consumed, so a run resumed on another world size continues the
 same order. Steps: `num_epochs` x (samples // global_batch_size), capped by `max_steps` when it is > 0
 (`total_steps`); `rank_schedule` lists the samples one rank reads from a position to the last step.
+
+With `train.eval_fraction` f > 0 the held-out split is `held_out_ids(n, f)`: the round(f * n) sample indices
+(at least one) with the smallest sha256 of "eyas-eval:{index}", a function of the index alone, so it never
+changes with the world size, the seed or a resume. The training order then runs over the other samples
+(`TrainSplit`): the order's positions index `TrainSplit.train_ids`, and steps count only those samples.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -120,7 +126,54 @@ def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str,
     return batch
 
 
+def _eval_key(index: int) -> bytes:
+    return hashlib.sha256(f"eyas-eval:{index}".encode()).digest()[:8]
+
+
+@lru_cache(maxsize=4)
+def _held_out(num_samples: int, fraction: float) -> tuple[int, ...]:
+    if fraction <= 0:
+        return ()
+    count = max(1, round(fraction * num_samples))
+    return tuple(sorted(sorted(range(num_samples), key=_eval_key)[:count]))
+
+
+def held_out_ids(num_samples: int, fraction: float) -> list[int]:
+    """The held-out sample indices (ascending) of a shard set of `num_samples`; empty when fraction is 0."""
+    return list(_held_out(num_samples, fraction))
+
+
+@dataclass(frozen=True)
+class TrainSplit:
+    """The samples a run trains on (`train_ids`, ascending) and the ones it evaluates on (`eval_ids`)."""
+
+    train_ids: tuple[int, ...]
+    eval_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, num_samples: int, fraction: float) -> "TrainSplit":
+        held = _held_out(num_samples, fraction)
+        if len(held) >= num_samples:
+            raise ShardDataError(
+                f"train.eval_fraction={fraction} holds out all {num_samples} samples; lower it or train on more samples"
+            )
+        kept = set(held)
+        return cls(tuple(i for i in range(num_samples) if i not in kept), held)
+
+    def windows(self, windows: ShardWindows) -> ShardWindows:
+        """The shard windows in the positions of train_ids (each shard start moved to its first training sample)."""
+        if not windows.size or not self.eval_ids:
+            return windows
+        starts = sorted({bisect.bisect_left(self.train_ids, s) for s in windows.shard_starts})
+        return ShardWindows(tuple(s for s in starts if s < len(self.train_ids)), windows.size)
+
+
+def num_train_samples(num_samples: int, train: TrainConfig) -> int:
+    """The samples of a shard set of `num_samples` that the run trains on (all but the held-out split)."""
+    return num_samples - len(_held_out(num_samples, train.eval_fraction))
+
+
 def total_steps(num_samples: int, train: TrainConfig) -> int:
-    """Optimizer steps of a training run over `num_samples` samples."""
-    steps = train.num_epochs * steps_per_epoch(num_samples, train.global_batch_size)
+    """Optimizer steps of a training run over a shard set of `num_samples` (the held-out split not counted)."""
+    steps = train.num_epochs * steps_per_epoch(num_train_samples(num_samples, train), train.global_batch_size)
     return min(steps, train.max_steps) if train.max_steps else steps

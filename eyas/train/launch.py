@@ -56,6 +56,7 @@ def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None
         draft=config.draft,
         train=config.train,
         max_samples=max_samples,
+        chain_steps=config.bench.num_steps,
     )
 
 

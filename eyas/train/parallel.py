@@ -85,6 +85,16 @@ def parallelize(objective: nn.Module, parallelism: Parallelism, device: torch.de
     raise ValueError(f"train.parallelism={parallelism!r}: expected 'ddp' or 'fsdp2'")
 
 
+def reshard(model: nn.Module) -> None:
+    """After forwards without a backward (the held-out evaluation): FSDP2 keeps the root's parameters gathered
+    after its forward, expecting a backward to free them; reshard them so the draft is sharded again (its state
+    dict, the next step). DDP and a plain module: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def _dtensor_type() -> type | None:
     """DTensor, or None while torch.distributed.tensor was never imported (then no tensor is a DTensor)."""
     module = sys.modules.get("torch.distributed.tensor")

@@ -40,11 +40,30 @@ from eyas.fsio import atomic_write_text
 from eyas.shards.reader import ShardSamples
 from eyas.storage import open_storage
 from eyas.target import load_embed_and_lm_head, target_fingerprint
-from eyas.train.checkpoint import FINAL_FILE, latest_complete, load_training_state, read_arch, write_checkpoint
+from eyas.train.checkpoint import (
+    FINAL_FILE,
+    latest_complete,
+    load_training_state,
+    read_arch,
+    read_best,
+    update_best,
+    write_checkpoint,
+)
 from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
-from eyas.train.data import UNIFORM, ShardWindows, batch_at, collate, rank_schedule, rank_slice, total_steps
+from eyas.train.data import (
+    UNIFORM,
+    ShardWindows,
+    TrainSplit,
+    batch_at,
+    collate,
+    rank_schedule,
+    rank_slice,
+    total_steps,
+)
+from eyas.train.evaluate import EVAL_KEYS, add_stats, eval_stats, summarize_eval
 from eyas.train.metrics import emit_metrics, truncate_metrics
-from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, local_value, parallelize
+from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, local_value, parallelize, reshard
+from eyas.train.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -127,9 +146,12 @@ class TTTObjective(nn.Module):
         self.head_rows = head_rows  # a plain attribute: constant, neither saved nor broadcast
         self.num_steps, self.decay, self.bf16 = num_steps, decay, bf16
 
-    def forward(self, batch: dict):
+    def forward(self, batch: dict, eval_steps: int = 0, chain_steps: int = 0):
+        """The TTT loss; with eval_steps > 0 the held-out sums of eyas.train.evaluate.eval_stats instead."""
         # the soft cross-entropy itself is computed in fp32 inside ttt_loss
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            if eval_steps:
+                return eval_stats(self.draft, batch, self.head_rows, eval_steps, chain_steps)
             return ttt_loss(self.draft, batch, self.head_rows, self.num_steps, self.decay)
 
 
@@ -176,9 +198,10 @@ def reduce_stats(stats: dict, decay: float) -> dict:
     """Token-weighted loss and accuracy per TTT step over all ranks; loss = sum_k decay^k loss_k."""
     counts = torch.stack(stats["counts"]).float()
     table = torch.stack([torch.stack(stats["losses"]) * counts, torch.stack(stats["accs"]) * counts, counts])
-    table = table.detach().cpu().double()
+    table = table.detach().double()  # reduced where it lies: NCCL reduces CUDA tensors only
     if dist.is_initialized():
         dist.all_reduce(table)
+    table = table.cpu()
     n = table[2].clamp(min=1.0)
     loss_k, acc_k = (table[0] / n).tolist(), (table[1] / n).tolist()
     return {
@@ -235,7 +258,14 @@ class Trainer:
         if t.checkpoint_copy_url:
             self.sync_copy()
         self.setup = build_setup(job, ctx.rank)
-        self.windows = sample_windows(self.setup.samples, job)
+        self.split = TrainSplit.of(len(self.setup.samples), t.eval_fraction)
+        if len(self.split.eval_ids) and len(self.split.eval_ids) < ctx.world:
+            raise ValueError(
+                f"train.eval_fraction={t.eval_fraction}: {len(self.split.eval_ids)} held-out samples of "
+                f"{len(self.setup.samples)} for {ctx.world} ranks; every rank needs one; raise eval_fraction"
+            )
+        self.num_train = len(self.split.train_ids)
+        self.windows = self.split.windows(sample_windows(self.setup.samples, job))
         self.draft = self.setup.draft.to(ctx.device)
         bf16 = use_bf16(t.mixed_precision, ctx.device)
         objective = TTTObjective(self.draft, self.setup.head_rows.to(ctx.device), t.num_ttt_steps, t.ttt_decay, bf16)
@@ -246,12 +276,14 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, t.num_warmup_steps, self.last_step)
         state = resume(job, self.setup, self.optimizer, self.scheduler, ctx)
         self.step, self.consumed, self.loss = state["step"], state["samples_consumed"], state["loss"]
+        self.last_eval, self.tokens_seen = state.get("eval"), 0
         if ctx.rank == 0:  # the steps after the checkpoint are trained again: their old records go
             truncate_metrics(self.output_dir, self.step)
+            update_best(self.output_dir)  # mends a marker a kill left behind its newest checkpoint
         self.checkpoint = state["checkpoint"]
-        self.setup.samples.plan(
-            rank_schedule(self.consumed, self.last_step, len(self.setup.samples), t, ctx.rank, ctx.world, self.windows)
-        )
+        self.tensorboard = TensorBoardLog(self.output_dir, self.step) if t.tensorboard and ctx.rank == 0 else None
+        schedule = rank_schedule(self.consumed, self.last_step, self.num_train, t, ctx.rank, ctx.world, self.windows)
+        self.setup.samples.plan([self.split.train_ids[i] for i in schedule])
 
     def sync_copy(self) -> None:
         """Rank 0 restores the copy's newest checkpoint (or copies the local newest) while the others wait."""
@@ -263,17 +295,55 @@ class Trainer:
     def next_batch(self) -> tuple[int, list[int], dict]:
         """(epoch, global batch ids, this rank's collated share) after `consumed` samples."""
         t = self.train_config
-        epoch, ids = batch_at(self.consumed, len(self.setup.samples), t.global_batch_size, t.seed, self.windows)
+        epoch, positions = batch_at(self.consumed, self.num_train, t.global_batch_size, t.seed, self.windows)
+        ids = [self.split.train_ids[i] for i in positions]
         mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
         # ttt_loss needs more columns than TTT steps; padding is masked out, so this changes no result.
         batch = collate(mine, self.job.draft.max_position_embeddings, min_len=t.num_ttt_steps + 1)
         return epoch, ids, {k: v.to(self.ctx.device) for k, v in batch.items()}
+
+    def saves_now(self) -> bool:
+        return self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step
+
+    def eval_due(self) -> bool:
+        """Held out samples exist, and this step is a checkpoint (always evaluated) or on eval_every_steps."""
+        every = self.train_config.eval_every_steps
+        return bool(self.split.eval_ids) and (self.saves_now() or bool(every) and self.step % every == 0)
+
+    def eval_batches(self) -> list[list[int]]:
+        """The held-out ids in global batches of train.global_batch_size; a tail too small to give every rank
+        a sample joins the batch before it, so every rank runs the same number of forwards (FSDP2 needs it)."""
+        ids, size = list(self.split.eval_ids), self.train_config.global_batch_size
+        batches = [ids[i : i + size] for i in range(0, len(ids), size)]
+        if len(batches) > 1 and len(batches[-1]) < self.ctx.world:
+            batches[-2] += batches.pop()
+        return batches
+
+    def evaluate(self) -> dict:
+        """The held-out split's accuracy per position and estimated tau (eyas.train.evaluate), all ranks summed."""
+        t, total = self.train_config, None
+        num_steps = max(t.num_ttt_steps, self.job.chain_steps)
+        with torch.no_grad():
+            for ids in self.eval_batches():
+                mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
+                batch = collate(mine, self.job.draft.max_position_embeddings, min_len=num_steps + 1)
+                on_device = {k: v.to(self.ctx.device) for k, v in batch.items()}
+                total = add_stats(total, self.model(on_device, num_steps, self.job.chain_steps))
+        reshard(self.model)
+        flat = torch.cat([total[k] for k in EVAL_KEYS]).to(self.ctx.device)
+        if dist.is_initialized():
+            dist.all_reduce(flat)
+        flat = flat.cpu()
+        sizes = [total[k].numel() for k in EVAL_KEYS]
+        summed = dict(zip(EVAL_KEYS, flat.split(sizes)))
+        return summarize_eval(summed, self.job.chain_steps, t.ttt_decay, t.num_ttt_steps)
 
     def train_one_step(self, start: float) -> dict:
         t = self.train_config
         epoch, ids, batch = self.next_batch()
         stats = train_step(self.model, self.optimizer, self.scheduler, batch, t.max_grad_norm)
         self.step, self.consumed = self.step + 1, self.consumed + len(ids)
+        elapsed = time.monotonic() - start
         record = {
             "step": self.step,
             "epoch": epoch,
@@ -281,12 +351,19 @@ class Trainer:
             **reduce_stats(stats, t.ttt_decay),
             "lr": stats["lr"],
             "grad_norm": stats["grad_norm"],
-            "elapsed_s": round(time.monotonic() - start, 3),
+            "elapsed_s": round(elapsed, 3),
             "sample_ids": ids,
         }
+        self.tokens_seen += record["num_tokens"]
+        record["tokens_per_s"] = round(self.tokens_seen / max(elapsed, 1e-9), 1)
+        if self.eval_due():
+            record["eval"] = self.evaluate()
+            self.last_eval = record["eval"]
         self.loss = record["loss"]
         if self.ctx.rank == 0:
             emit_metrics(record, self.output_dir)
+        if self.tensorboard is not None:
+            self.tensorboard.add(record)
         if not math.isfinite(self.loss):  # every rank sees the same all-reduced loss, so all stop together
             raise FloatingPointError(
                 f"step {self.step}: loss {self.loss} (per TTT step {record['loss_k']}); training diverged or a "
@@ -308,6 +385,7 @@ class Trainer:
                 "parallelism": t.parallelism,
                 "global_batch_size": t.global_batch_size,
                 "loss": self.loss,
+                "eval": self.last_eval if self.split.eval_ids else None,
             }
             path = write_checkpoint(
                 self.output_dir,
@@ -343,19 +421,24 @@ class Trainer:
         """Train to the last step, saving on schedule and at the end; returns the final.json contents."""
         log(
             self.ctx,
-            f"training steps {self.step + 1}..{self.last_step} on {len(self.setup.samples)} samples, "
+            f"training steps {self.step + 1}..{self.last_step} on {self.num_train} samples"
+            + (f" ({len(self.split.eval_ids)} more held out for evaluation)" if self.split.eval_ids else "")
+            + ", "
             f"world size {self.ctx.world}, {self.train_config.parallelism}",
         )
         start = time.monotonic()
         try:
             while self.step < self.last_step:
                 record = self.train_one_step(start)
-                if self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step:
+                if self.saves_now():
                     self.save(record["epoch"])
         finally:
             self.setup.samples.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
         final = {"checkpoint": self.checkpoint, "step": self.step, "final_loss": self.loss}
         if self.ctx.rank == 0:
+            final["best"] = read_best(self.output_dir)
             write_final(self.output_dir, final)
             log(self.ctx, f"done: step {self.step}, loss {self.loss}, checkpoint {self.checkpoint}")
         return final

@@ -259,3 +259,50 @@ def local_only(route) -> None:
         route.continue_()
     else:
         route.abort()
+
+
+def tensorboard_screenshot(logdir: Path, out: Path, *, timeout_s: float = 90.0) -> Path:
+    """Serve `logdir` with TensorBoard on loopback, open its scalars page in headless Chromium once the
+    held-out estimate's chart is drawn, and save a full-page screenshot to `out`."""
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        str(logdir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/data/runs", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tensorboard on {url} did not start: {server.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        with sync_playwright() as p:
+            browser = launch_chromium(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.route("**/*", local_only)
+            page.goto(f"{url}/?pinnedCards=&smoothing=0#scalars&tagFilter=tau_estimate%7Cacc_k%7Closs")
+            page.get_by_text("eval/tau_estimate").first.wait_for(timeout=timeout_s * 1000)
+            page.wait_for_load_state("networkidle")
+            time.sleep(3)  # the charts draw after their data arrive
+            out.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out), full_page=True)
+            browser.close()
+        return out
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

@@ -184,3 +184,10 @@ def test_tensorboard_event_files_hold_every_scalar(evaluated_run):
     taus = [e.value for e in events.Scalars("eval/tau_estimate")]
     assert [e.step for e in events.Scalars("eval/tau_estimate")] == list(range(1, STEPS + 1))
     assert taus == pytest.approx([m["eval"]["tau_estimate"] for m in evaluated_run["metrics"]], rel=1e-6)
+
+
+def test_tensorboard_serves_the_scalars_to_a_browser(evaluated_run, tmp_path):
+    from browser import tensorboard_screenshot
+
+    shot = tensorboard_screenshot(evaluated_run["out"] / "tb", tmp_path / "tensorboard-scalars.png")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -11,6 +11,7 @@ import pytest
 import torch
 from draft_fixtures import save
 from run_fixtures import run_trainer, tiny_job, write_tiny_run
+from safetensors.torch import load_file
 
 from eyas.train.checkpoint import (
     BEST_MARKER,
@@ -151,6 +152,11 @@ def test_without_a_held_out_split_there_is_no_marker_and_best_is_the_newest(tiny
     train(tiny_run, tmp_path / "plain", None, max_steps=2, tensorboard=False)
     assert read_best(tmp_path / "plain") is None and not (tmp_path / "plain" / "tb").exists()
     assert best_checkpoint(tmp_path / "plain") == latest_complete(tmp_path / "plain")
+    # TensorBoard on changes nothing else: the same weights, bit for bit
+    train(tiny_run, tmp_path / "logged", None, max_steps=2, tensorboard=True)
+    assert list((tmp_path / "logged" / "tb").glob("events.out.tfevents.*"))
+    plain, logged = (load_file(latest_complete(tmp_path / d) / "model.safetensors") for d in ("plain", "logged"))
+    assert plain.keys() == logged.keys() and all(torch.equal(plain[k], logged[k]) for k in plain)
 
 
 def test_export_checkpoint_best_or_last(evaluated_run, tmp_path, tiny_run):

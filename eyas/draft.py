@@ -28,6 +28,12 @@ cat(input_layernorm(embeds), hidden_norm(h)) into a 2H-wide qkv; each later laye
 no embeds: its hidden_norm is the input norm over the running residual sum, into an H-wide qkv (a plain Llama
 layer). Every layer keeps its own keys and values of the unroll steps; the final norm, logits and the state fed
 to the next step are those of the last layer's output.
+
+Inference (the reference engine, eyas.bench.proposers): `Eagle3Draft.decode` runs the same layers on one
+sequence through a DraftKVCache, where slot = position. For a chain, step 0 fills slots 0..m-1 and step k >= 1 at
+the last index fills slot m-1+k, so the keys a query sees (every filled slot up to its own) are exactly the ones
+`unroll`'s step k sees at that index: step-0 keys causally and its own steps 1..k. `unroll`, `step` and
+`ttt_loss` (training) do not use it.
 """
 
 from __future__ import annotations
@@ -100,12 +106,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """The rotary angles [B, 1, T, d] of integer positions [B, T] (HF Llama layout)."""
+    d = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, d/2]
+    return torch.cat((freqs, freqs), dim=-1)[:, None]
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of x [B, h, T, d] at integer positions [B, T] (HF Llama layout)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, d]
+    emb = rope_angles(positions.to(x.device), x.shape[-1], theta)
     return (x * emb.cos().to(x.dtype)) + (rotate_half(x) * emb.sin().to(x.dtype))
 
 
@@ -146,6 +157,25 @@ class Attention(nn.Module):
         b = x.shape[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, tlen, -1))
 
+    def decode(self, x, cache: DraftKVCache, layer: int) -> torch.Tensor:
+        """Inference: x [1,T,W] at the next T slots of `cache` (slot = position), each attending to every slot up
+        to its own; writes this layer's keys and values of those slots into the cache."""
+        a, tlen = self.a, x.shape[1]
+        start, end = cache.length, cache.length + tlen
+        cos, sin = cache.cos[:, :, start:end], cache.sin[:, :, start:end]
+        q = self._heads(self.q_proj(x), a.num_attention_heads)
+        k = self._heads(self.k_proj(x), a.num_key_value_heads)
+        keys, values = cache.keys[layer], cache.values[layer]
+        keys[:, :, start:end] = k * cos + rotate_half(k) * sin
+        values[:, :, start:end] = self._heads(self.v_proj(x), a.num_key_value_heads)
+        mask = None
+        if tlen > 1:  # a single query may see every filled slot; a chunk is causal within itself
+            mask = torch.arange(end, device=x.device) <= torch.arange(start, end, device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q * cos + rotate_half(q) * sin, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(1, tlen, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, a: DraftArch):
@@ -178,6 +208,14 @@ class DecoderLayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1) if self.first else normed
         hidden = residual + self.self_attn(x, positions, cache, valid)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def decode(self, embeds, hidden, cache: DraftKVCache, layer: int):
+        """forward at inference: the same layer, its attention through the slots of `cache` (Attention.decode)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1) if self.first else normed
+        hidden = residual + self.self_attn.decode(x, cache, layer)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -236,6 +274,17 @@ class Eagle3Draft(nn.Module):
             hidden = layer(embeds, hidden, positions, layer_cache, valid)
         return self.norm(hidden) if self.arch.norm_output else hidden
 
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
+        """`step` at inference, for one sequence: input_ids [1,T] and hidden [1,T,H] fill the next T slots of `cache`
+        (their positions), each attending causally to all slots before it; returns the output hidden [1,T,H] as
+        `step` does. Inference only: the cache's buffers are written in place (run it under torch.no_grad())."""
+        cache.reserve(cache.length + input_ids.shape[1])
+        embeds = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.decoder_layers()):
+            hidden = layer.decode(embeds, hidden, cache, i)
+        cache.length += input_ids.shape[1]
+        return self.norm(hidden) if self.arch.norm_output else hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits of a step's output hidden (already normed with norm_output)."""
         return self.lm_head(hidden if self.arch.norm_output else self.norm(hidden))
@@ -256,6 +305,48 @@ class Eagle3Draft(nn.Module):
             ids[:, : max(tlen - k, 0)] = input_ids[:, k + 1 :]
             hidden = self.step(ids, hidden, base + k, cache, None if valid is None else valid[:, :tlen])
             yield k, self.logits(hidden)
+
+
+class DraftKVCache:
+    """The keys and values of a draft's decoder layers at inference (`Eagle3Draft.decode`), by slot = position.
+
+    Per decoder layer: keys (rotary embedding applied) and values [1, kv_heads, capacity, head_dim]; with them
+    the rotary cos/sin of every slot, computed once. Slots 0..length-1 are filled; `crop` drops the slots after a
+    length, `reserve` doubles the capacity when a decode needs more (copying the filled slots once)."""
+
+    def __init__(self, draft: Eagle3Draft, capacity: int = 256):
+        self.arch, self.length = draft.arch, 0
+        self.weight = draft.fc.weight  # dtype and device of the buffers
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.cos = self.sin = torch.empty(0)
+        self._allocate(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def _allocate(self, capacity: int) -> None:
+        a, w, n = self.arch, self.weight, self.length
+        shape = (1, a.num_key_value_heads, capacity, a.head_dim)
+        for buffers in (self.keys, self.values):
+            old = list(buffers)
+            buffers[:] = [w.new_empty(shape) for _ in range(a.num_layers)]
+            for new, filled in zip(buffers, old):
+                new[:, :, :n] = filled[:, :, :n]
+        emb = rope_angles(torch.arange(capacity, device=w.device)[None], a.head_dim, a.rope_theta)
+        self.cos, self.sin = emb.cos().to(w.dtype), emb.sin().to(w.dtype)
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` slots."""
+        if length > self.capacity:
+            self._allocate(max(length, 2 * self.capacity))
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` slots (0 <= length <= self.length)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"DraftKVCache.crop({length}): expected 0..{self.length}, the filled slots")
+        self.length = length
 
 
 def build_draft(arch: DraftArch, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, seed: int = 0):

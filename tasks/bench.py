@@ -12,7 +12,7 @@ from eyas.bench.diagnose import DIAGNOSIS_FILE, diagnose_run
 from eyas.bench.plots import acceptance_figure
 from eyas.config import RunConfig
 from eyas.markdown import dict_table
-from tasks.reporting import markdown_artifact, png_artifact, table_artifact
+from tasks.reporting import StageProgress, markdown_artifact, png_artifact, table_artifact
 from tasks.retry import TRANSIENT_IO
 
 SUMMARY_KEYS = (
@@ -28,6 +28,7 @@ SUMMARY_KEYS = (
     "topk",
     "num_draft_tokens",
     "num_prompts",
+    "num_threads",
     "lossless",
 )
 
@@ -37,7 +38,10 @@ SUMMARY_KEYS = (
 @task(name="acceptance-benchmark", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def acceptance_benchmark(config: RunConfig, export_dir: str) -> dict:
     """The exported draft on held-out prompts on the configured engine (reference or SGLang), next to baselines."""
-    result = bench_run(config, export_dir)
+    with StageProgress(
+        "bench-progress", "acceptance benchmark", done_key="prompts_done", total_key="prompts_total"
+    ) as progress:
+        result = bench_run(config, export_dir, progress=progress)
     report_benchmark(result, Path(result["path"]))
     return result
 

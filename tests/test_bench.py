@@ -10,8 +10,15 @@ import torch
 from draft_fixtures import ARCH, AUX_IDS
 from safetensors.torch import save_file
 
-from eyas.bench.acceptance import BENCHMARK_FIELDS, encode_prompts, run_benchmark, write_benchmark_json
-from eyas.bench.proposers import DraftProposer, NgramProposer
+from eyas.bench.acceptance import (
+    BENCH_NUM_THREADS,
+    BENCHMARK_FIELDS,
+    encode_prompts,
+    run_benchmark,
+    torch_threads,
+    write_benchmark_json,
+)
+from eyas.bench.proposers import CachedSteps, DraftProposer, NgramProposer
 from eyas.bench.reference import (
     DecodeResult,
     LosslessError,
@@ -21,7 +28,7 @@ from eyas.bench.reference import (
     load_target_float64,
     reference_decode,
 )
-from eyas.draft import build_draft
+from eyas.draft import DraftArch, build_draft
 from eyas.export.convert import export_sglang
 from eyas.target import embed_weight, target_fingerprint
 
@@ -49,6 +56,13 @@ def vocab_mapping() -> tuple[torch.Tensor, torch.Tensor]:
     t2d = torch.zeros(2048, dtype=torch.bool)
     t2d[ids] = True
     return ids - torch.arange(512), t2d
+
+
+@pytest.fixture(autouse=True)
+def benchmark_threads():
+    """The torch thread count the benchmark runs with: its tiny ops are slower with more on a busy machine."""
+    with torch_threads(BENCH_NUM_THREADS):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +146,80 @@ def test_draft_proposer_matches_the_training_unroll(random_draft):
             assert int(random_draft.to_target_ids(lg[0, m - 1].argmax())) == tokens[k]
 
 
+def growing_rounds(num_rounds: int, *, start: int = 8, seed: int = 0):
+    """(seq, aux) of decoding rounds whose sequence grows by 1..4 tokens a round, as accepted drafts make it."""
+    g = torch.Generator().manual_seed(seed)
+    seq = [int(t) for t in torch.randint(1, 2048, (start,), generator=g)]
+    aux = torch.randn(start + 4 * num_rounds, 192, generator=g)
+    for r in range(num_rounds):
+        yield list(seq), aux[: len(seq) - 1]
+        seq += [int(t) for t in torch.randint(1, 2048, (1 + r % 4,), generator=g)]
+
+
+def assert_same_proposals(cached: DraftProposer, uncached: DraftProposer, rounds, steps: int = 3) -> int:
+    """Every round's chain (tokens, and logits to float rounding) and tree equal between the two; the round count."""
+    count = 0
+    for count, (seq, aux) in enumerate(rounds, start=1):
+        (tokens, logits), (expected, expected_logits) = cached.chain(seq, aux, steps), uncached.chain(seq, aux, steps)
+        assert tokens == expected, f"round {count}: cached draft proposed {tokens}, recomputing one {expected}"
+        for got, want in zip(logits, expected_logits, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert cached.propose_tree(seq, aux, steps, 2, 6) == uncached.propose_tree(seq, aux, steps, 2, 6)
+    return count
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"num_layers": 2}, {"norm_output": True, "fc_norm": True}, {"norm_before_fc": True}]
+)
+def test_cached_draft_proposes_what_recomputing_drafts_over_many_rounds(target, options):
+    arch = DraftArch(**{**ARCH.to_dict(), **options})
+    draft = build_draft(arch, embed_weight(target).detach().float(), *vocab_mapping(), seed=5).eval()
+    cached, uncached = DraftProposer(draft), DraftProposer(draft, cache=False)
+    assert assert_same_proposals(cached, uncached, growing_rounds(40)) == 40
+    # past the cache's first capacity of 256 slots, and a new sequence reusing nothing
+    assert assert_same_proposals(cached, uncached, growing_rounds(8, start=250, seed=1)) == 8
+    assert cached.steps.kv.capacity > 256
+
+
+def test_the_cache_comparison_fails_on_a_stale_cache(random_draft, monkeypatch):
+    """The comparison above could fail: a cache that trusts matching tokens alone keeps step 0 of changed features."""
+    rounds = list(growing_rounds(12))
+    g = torch.Generator().manual_seed(2)
+    changed = [(seq, torch.randn(aux.shape, generator=g)) for seq, aux in rounds]  # same tokens, other features
+    assert_same_proposals(DraftProposer(random_draft), DraftProposer(random_draft, cache=False), rounds + changed)
+    monkeypatch.setattr(CachedSteps, "reusable", lambda self, seq, aux: max(min(len(self.seq), len(seq) - 1) - 1, 0))
+    with pytest.raises(AssertionError, match=r"round 13: cached draft proposed \[.*\], recomputing one"):
+        assert_same_proposals(DraftProposer(random_draft), DraftProposer(random_draft, cache=False), rounds + changed)
+
+
+@pytest.mark.parametrize("tree", [{}, {"topk": 2, "num_draft_tokens": 5}])
+def test_reference_decode_with_and_without_the_draft_cache_agree(target, random_draft, tree):
+    for prompt in PROMPTS:
+        cached = decode(target, random_draft, prompt, max_new_tokens=10, **tree)
+        uncached = decode(target, random_draft, prompt, max_new_tokens=10, draft_cache=False, **tree)
+        assert cached.tokens == uncached.tokens == greedy_decode(target, prompt, 10, None)
+        assert cached.accepted_per_step == uncached.accepted_per_step
+
+
+def test_draft_cache_off_is_refused_for_a_proposer_it_does_not_apply_to(target):
+    with pytest.raises(
+        ValueError, match=r"draft_cache=False with a NgramProposer, expected an Eagle3Draft \(the option applies"
+    ):
+        decode(target, NgramProposer(3), PROMPTS[0], draft_cache=False)
+
+
+def test_torch_threads_sets_the_count_inside_and_restores_it():
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"):
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match=r"benchmark: num_threads=0, expected >= 1"):
+        with torch_threads(0):
+            pass
+
+
 def test_check_lossless_names_prompt_and_first_difference():
     with pytest.raises(LosslessError) as err:
         check_lossless([5, 6, 7, 9], [5, 6, 8, 9], prompt="prompt 3 (trained draft)")
@@ -188,8 +276,26 @@ def write_export(root: Path, target_dir: Path, fingerprint: str) -> Path:
 def test_run_benchmark_reports_the_schema_and_writes_json(random_target_dir, tmp_path):
     export = write_export(tmp_path, random_target_dir, target_fingerprint(random_target_dir))
     prompts = [PROMPTS[0], "def main():", [{"role": "user", "content": "import os\n"}]]
-    result = run_benchmark(random_target_dir, export, prompts, steps=3, max_new_tokens=10)
+    calls = []
+    with torch_threads(BENCH_NUM_THREADS + 1):
+        result = run_benchmark(
+            random_target_dir,
+            export,
+            prompts,
+            steps=3,
+            max_new_tokens=10,
+            compare_uncached_draft=True,
+            progress=calls.append,
+        )
+        assert torch.get_num_threads() == BENCH_NUM_THREADS + 1  # restored after the run
     assert sorted(result) == sorted(BENCHMARK_FIELDS)
+    assert result["num_threads"] == BENCH_NUM_THREADS
+    assert [(c["pass"], c["prompts_done"], c["prompts_total"]) for c in calls] == [
+        ("greedy, trained, random, n-gram, uncached trained", i, 3) for i in range(4)
+    ]
+    assert calls[0]["eta_s"] is None and calls[-1]["eta_s"] == 0.0 and all(c["eta_s"] >= 0 for c in calls[1:])
+    assert result["tau_mean_uncached"] == result["tau_mean"]
+    assert result["speedup_vs_greedy_uncached"] == result["wall_s_greedy"] / result["wall_s_speculative_uncached"]
     assert result["lossless"] is True and result["num_prompts"] == 3 and result["aux_layer_ids"] == AUX_IDS
     assert len(result["tau_per_prompt"]) == 3 and len(result["accept_rate_per_position"]) == 3
     assert 1.0 <= result["tau_mean"] <= 4.0 and 1.0 <= result["tau_random"] <= 4.0

@@ -12,16 +12,25 @@ is eyas.bench.sglang.
 
 Wall times compare like with like: the float64 target with a KV cache on the same CPU/GPU, one
 token per forward for greedy decoding, the pending token + drafts per forward for speculative
-decoding (the draft's own time included); batch size 1. Each prompt runs greedy, then every
-drafter, before the next prompt, so a change of machine load hits all sides alike.
+decoding (the draft's own time included, its keys and values cached across rounds); batch size 1.
+Each prompt runs greedy, then every drafter, before the next prompt, so a change of machine load
+hits all sides alike. The run uses BENCH_NUM_THREADS torch threads (restored afterwards): its ops
+are tiny, so more threads only add synchronisation, and on a busy machine threads that spin-wait
+for each other multiply the wall time (bench/reference_engine.py measures both).
+
+`progress`, when given, is called with {"pass", "prompts_done", "prompts_total", "eta_s"} before the first
+prompt and after each one; "pass" names what runs on every prompt (greedy and each drafter).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
+
+import torch
 
 from eyas.bench.proposers import NgramProposer
 from eyas.bench.reference import (
@@ -44,8 +53,12 @@ from eyas.fsio import atomic_write_text, read_json_record
 from eyas.shards.shard_set import RUN_META_NAME, read_run_meta
 from eyas.target import check_remote_code, embed_weight, target_fingerprint
 
+# torch intra-op threads of the reference benchmark (batch 1, a token or a few per forward): 1 ran fastest on
+# the tiny target idle, and stays within a small factor of idle when the CPUs are busy (bench/reference_engine.py)
+BENCH_NUM_THREADS = 1
 BENCHMARK_FILE = "benchmark.json"
 PLOTS_FILE = "acceptance.png"
+UNCACHED = "uncached trained"  # the drafter label of the trained draft without its cache
 Prompt = list[int] | str | list[dict]  # token ids, raw text, or a conversation [{role, content}, ...]
 
 # benchmark.json of the reference engine: field -> meaning (README "benchmark.json" documents it too).
@@ -65,6 +78,12 @@ BENCHMARK_FIELDS = {
     "wall_s_greedy": "plain greedy decoding of every prompt (float64 target, KV cache, one token per forward)",
     "wall_s_speculative": "speculative decoding of every prompt with the trained draft (draft time included)",
     "wall_s_ngram": "speculative decoding of every prompt with the n-gram drafter",
+    "wall_s_speculative_uncached": "the trained draft recomputed over the whole sequence every round (no draft "
+    "cache), side by side with the others; null unless run_benchmark(compare_uncached_draft=True)",
+    "speedup_vs_greedy_uncached": "wall_s_greedy / wall_s_speculative_uncached; null unless compared",
+    "tau_mean_uncached": "tau of the uncached trained draft (equals tau_mean: both draft the same tokens); null "
+    "unless compared",
+    "num_threads": "torch intra-op threads the benchmark ran with (null: torch's setting left as it was)",
     "steps": "chain length / tree depth k",
     "topk": "1 = chain; > 1 = tree",
     "num_draft_tokens": "tree size as SGLang counts it (root included); steps + 1 for a chain",
@@ -119,11 +138,30 @@ def _timed(fn, *args, **kwargs):
     return out, time.perf_counter() - start
 
 
-def _decode_all(model, drafters: dict, prompts, *, max_new_tokens, eos, **decode):
+@contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch.set_num_threads(num_threads) inside, the previous count restored after; None changes nothing."""
+    if num_threads is None:
+        yield
+        return
+    if num_threads < 1:
+        raise ValueError(f"benchmark: num_threads={num_threads}, expected >= 1 (or None for torch's setting)")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _decode_all(model, drafters: dict, prompts, *, max_new_tokens, eos, progress=None, **decode):
     """Per prompt, greedy decoding then each drafter, timed side by side (so load drift hits all alike);
     every speculative output is checked against the greedy one. ({label: results}, {label: wall s})."""
     results: dict[str, list[DecodeResult]] = {label: [] for label in drafters}
     walls = dict.fromkeys(["greedy", *drafters], 0.0)
+    name, start = ", ".join(walls), time.perf_counter()
+    report = progress or (lambda info: None)
+    report({"pass": name, "prompts_done": 0, "prompts_total": len(prompts), "eta_s": None})
     for i, ids in enumerate(prompts):
         greedy, dt = _timed(greedy_decode, model, ids, max_new_tokens, eos)
         walls["greedy"] += dt
@@ -141,6 +179,9 @@ def _decode_all(model, drafters: dict, prompts, *, max_new_tokens, eos, **decode
             walls[label] += dt
             check_lossless(r.tokens, greedy, prompt=f"prompt {i} ({label} draft)")
             results[label].append(r)
+        elapsed = time.perf_counter() - start
+        eta_s = elapsed / (i + 1) * (len(prompts) - i - 1)
+        report({"pass": name, "prompts_done": i + 1, "prompts_total": len(prompts), "eta_s": eta_s})
     return results, walls
 
 
@@ -156,10 +197,15 @@ def run_benchmark(
     ngram_max_n: int = 3,
     random_draft_seed: int = 0,
     device: str = "cpu",
+    num_threads: int | None = BENCH_NUM_THREADS,
+    compare_uncached_draft: bool = False,
+    progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """tau and per-position acceptance of the exported draft, a random draft and the n-gram drafter, and
     the trained draft's wall time against plain greedy decoding; the fields are BENCHMARK_FIELDS.
-    `device` "cuda" runs the same exact loop on a GPU (float64 there too)."""
+    `device` "cuda" runs the same exact loop on a GPU (float64 there too). `num_threads`: torch threads for the
+    run (None: as set). `compare_uncached_draft` also runs the trained draft without its cache, side by side.
+    `progress`: called with a dict per prompt (module docstring)."""
     start = time.perf_counter()
     if not prompts:
         raise ValueError("benchmark: no prompts; expected at least one held-out prompt")
@@ -170,28 +216,45 @@ def run_benchmark(
             "(or 0 for the default)"
         )
     _check_provenance(export_dir, target_path)
-    model = load_target_float64(target_path)
-    draft = load_exported_draft(export_dir, embed_weight(model))
-    random_draft = build_draft(draft.arch, draft.embed_tokens.weight, draft.d2t, draft.t2d, seed=random_draft_seed)
-    model, draft, random_draft = model.to(device), draft.to(device), random_draft.to(device)
-    encoded = encode_prompts(prompts, target_path)
-    tree = dict(topk=topk, num_draft_tokens=num_draft_tokens)
-    drafters = {
-        "trained": (draft, tree),
-        "random": (random_draft.eval(), tree),
-        "n-gram": (NgramProposer(ngram_max_n), {}),
+    with torch_threads(num_threads):
+        model = load_target_float64(target_path)
+        draft = load_exported_draft(export_dir, embed_weight(model))
+        random_draft = build_draft(draft.arch, draft.embed_tokens.weight, draft.d2t, draft.t2d, seed=random_draft_seed)
+        model, draft, random_draft = model.to(device), draft.to(device), random_draft.to(device)
+        encoded = encode_prompts(prompts, target_path)
+        tree = dict(topk=topk, num_draft_tokens=num_draft_tokens)
+        drafters = {
+            "trained": (draft, tree),
+            "random": (random_draft.eval(), tree),
+            "n-gram": (NgramProposer(ngram_max_n), {}),
+        }
+        if compare_uncached_draft:
+            drafters[UNCACHED] = (draft, {**tree, "draft_cache": False})
+        results, walls = _decode_all(
+            model,
+            drafters,
+            encoded,
+            max_new_tokens=max_new_tokens,
+            eos=model.config.eos_token_id,
+            progress=progress,
+            aux_layer_ids=draft.aux_layer_ids,
+            steps=steps,
+        )
+    shape = dict(steps=steps, topk=topk, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens)
+    return {
+        **_figures(results, walls, steps),
+        **shape,
+        "num_prompts": len(encoded),
+        "aux_layer_ids": list(draft.aux_layer_ids),
+        "lossless": True,
+        "num_threads": num_threads,
+        "wall_s": time.perf_counter() - start,
     }
-    results, walls = _decode_all(
-        model,
-        drafters,
-        encoded,
-        max_new_tokens=max_new_tokens,
-        eos=model.config.eos_token_id,
-        aux_layer_ids=draft.aux_layer_ids,
-        steps=steps,
-    )
-    trained, random, ngram = results["trained"], results["random"], results["n-gram"]
-    wall_greedy, wall_trained, wall_ngram = walls["greedy"], walls["trained"], walls["n-gram"]
+
+
+def _figures(results: dict[str, list[DecodeResult]], walls: dict[str, float], steps: int) -> dict:
+    """The acceptance and wall-time fields of BENCHMARK_FIELDS from _decode_all's results."""
+    trained, random, ngram, uncached = results["trained"], results["random"], results["n-gram"], results.get(UNCACHED)
     tau, tau_ngram = pooled_tau(trained), pooled_tau(ngram)
     return {
         "engine": "reference",
@@ -204,19 +267,14 @@ def run_benchmark(
         "tau_ngram": tau_ngram,
         "accept_rate_per_position_ngram": accept_rates(ngram, steps),
         "tau_ratio_vs_ngram": tau / tau_ngram,
-        "speedup_vs_greedy": wall_greedy / wall_trained,
-        "speedup_ngram_vs_greedy": wall_greedy / wall_ngram,
-        "wall_s_greedy": wall_greedy,
-        "wall_s_speculative": wall_trained,
-        "wall_s_ngram": wall_ngram,
-        "steps": steps,
-        "topk": topk,
-        "num_draft_tokens": num_draft_tokens,
-        "num_prompts": len(encoded),
-        "max_new_tokens": max_new_tokens,
-        "aux_layer_ids": list(draft.aux_layer_ids),
-        "lossless": True,
-        "wall_s": time.perf_counter() - start,
+        "speedup_vs_greedy": walls["greedy"] / walls["trained"],
+        "speedup_ngram_vs_greedy": walls["greedy"] / walls["n-gram"],
+        "wall_s_greedy": walls["greedy"],
+        "wall_s_speculative": walls["trained"],
+        "wall_s_ngram": walls["n-gram"],
+        "wall_s_speculative_uncached": walls.get(UNCACHED),
+        "speedup_vs_greedy_uncached": None if uncached is None else walls["greedy"] / walls[UNCACHED],
+        "tau_mean_uncached": None if uncached is None else pooled_tau(uncached),
     }
 
 
@@ -262,12 +320,16 @@ def extracted_aux_layer_ids(config: RunConfig) -> list[int]:
     return list(run.aux_layer_ids)
 
 
-def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
+def bench_run(config: RunConfig, export_dir: str | Path, progress: Callable[[dict], None] | None = None) -> dict:
     """The stage entry: the configured engine on the held-out prompts; writes and returns benchmark.json's
-    contents (plus "path"). The SGLang launch is linted against the layer ids the shards were extracted at."""
+    contents (plus "path"). The SGLang launch is linted against the layer ids the shards were extracted at.
+    `progress` gets run_benchmark's dicts per prompt; the SGLang engine reports its prompts as one pass, before
+    the launch and once they are all done."""
     b = config.bench
     prompts = [r["conversations"] for r in read_prompts(b.prompts_path, b.num_prompts)]
+    report = progress or (lambda info: None)
     if b.engine == "sglang":
+        report({"pass": "sglang", "prompts_done": 0, "prompts_total": len(prompts), "eta_s": None})
         result = run_sglang_benchmark(
             bench_launch(config, export_dir),
             encode_prompts(prompts, config.target.model_path, trust_remote_code=config.target.trust_remote_code),
@@ -277,6 +339,7 @@ def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
             shard_aux_layer_ids=extracted_aux_layer_ids(config),
             log_dir=config.paths.bench_dir,
         )
+        report({"pass": "sglang", "prompts_done": len(prompts), "prompts_total": len(prompts), "eta_s": 0.0})
     else:
         result = run_benchmark(
             config.target.model_path,
@@ -287,6 +350,7 @@ def bench_run(config: RunConfig, export_dir: str | Path) -> dict:
             topk=b.topk,
             num_draft_tokens=b.draft_tokens,
             ngram_max_n=b.ngram_max_n,
+            progress=progress,
         )
     path = write_benchmark_json(result, config.paths.bench_dir / BENCHMARK_FILE)
     return {**result, "path": str(path)}

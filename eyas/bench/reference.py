@@ -8,9 +8,11 @@
 
 The target runs in float64 with a KV cache over the verified prefix (`TargetSession`): plain
 greedy decoding feeds one token per forward, a verification round feeds the pending token and the
-drafted ones, then crops the cache back to what was accepted. Float64 keeps greedy ties from
-flipping between the two; every benchmark still compares the outputs token for token
-(`check_lossless`) and raises `LosslessError` on any difference.
+drafted ones, then crops the cache back to what was accepted. The draft keeps its own KV cache
+the same way (DraftProposer, `draft_cache=True`; eyas.bench.proposers says how), and the target's
+aux rows of the accepted tokens are written into one buffer that the proposer sees a view of.
+Float64 keeps greedy ties from flipping between the two; every benchmark still compares the
+outputs token for token (`check_lossless`) and raises `LosslessError` on any difference.
 
 Acceptance length tau = tokens emitted by verification rounds / number of rounds (accepted draft
 tokens + the bonus token, after truncation at max_new_tokens or EOS). The first new token comes
@@ -208,9 +210,13 @@ def reference_decode(
     eos_token_id: int | Sequence[int] | None,
     topk: int = 1,
     num_draft_tokens: int = 0,
+    draft_cache: bool = True,
 ) -> DecodeResult:
     """Speculative decoding with greedy verification: a chain of `steps` drafted tokens when topk is 1,
-    else a tree of num_draft_tokens - 1 drafted nodes (SGLang's count, the root included) of depth <= steps."""
+    else a tree of num_draft_tokens - 1 drafted nodes (SGLang's count, the root included) of depth <= steps.
+    `draft` is an Eagle3Draft (run as DraftProposer(draft, cache=draft_cache): draft_cache=False recomputes the
+    draft over the whole sequence every round) or any Proposer. The proposer sees the aux rows as a view of one
+    buffer that each round extends by the rows of the emitted tokens."""
     if not prompt_ids or steps < 1 or max_new_tokens < 1 or topk < 1:
         raise ValueError(
             f"reference_decode: prompt of {len(prompt_ids)} tokens, steps={steps}, max_new_tokens={max_new_tokens}, "
@@ -219,20 +225,28 @@ def reference_decode(
     if topk > 1 and num_draft_tokens < 2:
         raise ValueError(f"reference_decode: topk={topk} needs num_draft_tokens >= 2 (root + drafted nodes)")
     if isinstance(draft, Eagle3Draft):
-        draft = DraftProposer(draft)
+        draft = DraftProposer(draft, cache=draft_cache)
+    elif not draft_cache:
+        raise ValueError(
+            f"reference_decode: draft_cache=False with a {type(draft).__name__}, expected an Eagle3Draft (the option "
+            "applies to it only); pass the Eagle3Draft itself or DraftProposer(draft, cache=False)"
+        )
     session = TargetSession(target_model, aux_layer_ids)
     eos, seq = eos_set(eos_token_id), list(prompt_ids)
-    aux, greedy = session.feed(seq)
+    prompt_aux, greedy = session.feed(seq)
+    aux = prompt_aux.new_empty(len(seq) + max_new_tokens, prompt_aux.shape[1])  # f_0..f_{m-1} in aux[:m]
+    aux[: len(seq)] = prompt_aux
     result = DecodeResult(tokens=[greedy[-1]], steps=steps)
     seq.append(greedy[-1])
     while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
+        m = len(seq) - 1
         if topk == 1:
-            emitted, accepted, fed_aux = _verify_chain(session, draft, seq, aux, steps)
+            emitted, accepted, fed_aux = _verify_chain(session, draft, seq, aux[:m], steps)
         else:
-            emitted, accepted, fed_aux = _verify_tree(session, draft, seq, aux, steps, topk, num_draft_tokens - 1)
+            emitted, accepted, fed_aux = _verify_tree(session, draft, seq, aux[:m], steps, topk, num_draft_tokens - 1)
         emitted = _truncate(emitted, max_new_tokens - len(result.tokens), eos)
-        session.keep(len(seq) - 1 + len(emitted))  # the pending token and the accepted drafts stay cached
-        aux = torch.cat([aux, fed_aux[: len(emitted)]])
+        session.keep(m + len(emitted))  # the pending token and the accepted drafts stay cached
+        aux[m : m + len(emitted)] = fed_aux[: len(emitted)]
         result.accepted_per_step.append(accepted)
         result.emitted_per_step.append(len(emitted))
         result.tokens += emitted

@@ -136,6 +136,7 @@ def test_update_best_mends_a_marker_a_kill_left_behind(tmp_path):
     assert read_best(tmp_path)["step"] == 4
     marker.write_text(json.dumps({"checkpoint": "step-00000002", "step": 2, "tau_estimate": 1.5}))  # stale
     assert update_best(tmp_path)["step"] == 4 and read_best(tmp_path)["step"] == 4
+    (tmp_path / "checkpoints" / ".BEST.tmp-1304").write_text("{")  # a machine died while the marker was written
     rotate_checkpoints(tmp_path, keep_last=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         BEST_MARKER,

@@ -237,8 +237,8 @@ def rotate_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
     doomed = [path for step, path, done in entries if path not in keep and (done or step < newest)]
     root = Path(output_dir) / CHECKPOINTS_DIR
     doomed += [p for p in root.iterdir() if TMP_MARKER in p.name] if root.is_dir() else []
-    for path in doomed:
-        shutil.rmtree(path)
+    for path in doomed:  # step dirs, and the temporaries of a killed write: dirs, or the BEST marker's file
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     return doomed
 
 

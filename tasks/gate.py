@@ -19,7 +19,8 @@ answer against the form's JSON schema and refuses a bad one; the run keeps waiti
   gate asks again, showing why.
 """
 
-from datetime import datetime, timezone
+import time
+from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
 from prefect import task
@@ -27,9 +28,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
+from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, suspend_flow_run
 from prefect.input import RunInput
+from prefect.settings import get_current_settings
 from prefect.states import Failed
 from pydantic import ConfigDict, Field, WithJsonSchema
 
@@ -163,6 +166,7 @@ def wait_for_answer(config: RunConfig, form: type[TrainingApproval], key: str) -
     timeout_s = config.approval.timeout_s
     print("waiting for approval: answer in the UI (Resume), or `eyas approve <flow-run-id> [--reject]`")
     if run.deployment_id is not None and run.parent_task_run_id is None:
+        just_after_a_heartbeat(run.id)
         return suspend_flow_run(wait_for_input=form, timeout=timeout_s, key=key)
     try:
         return pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=2, key=key)
@@ -240,3 +244,57 @@ def decision_artifact(record: dict, reused: bool = False) -> None:
         markdown=f"## {title}\n\n{table(['', ''], [list(r) for r in rows])}\n",
         description="approval gate decision",
     )
+
+
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+MIN_HEARTBEAT_S = 30  # prefect.flow_engine.MINIMUM_HEARTBEAT_INTERVAL: a shorter frequency beats every 30 s
+BEAT_MARGIN_S = 10  # suspend only while the next heartbeat is at least this far off
+
+
+def newest_heartbeat(flow_run_id, within_s: float) -> datetime | None:
+    """When the flow run's newest heartbeat the server has stored occurred (the emitting process's clock, which
+    is this one's), looking back `within_s`; None when none is stored."""
+    now = datetime.now(timezone.utc)
+    only = EventFilter(
+        event=EventNameFilter(name=[HEARTBEAT_EVENT]),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+        occurred=EventOccurredFilter(since=now - timedelta(seconds=within_s), until=now + timedelta(seconds=60)),
+    )
+    with get_client(sync_client=True) as client:
+        events = client.read_events(filter=only, limit=1).events  # newest first (EventFilter.order)
+    return events[0].occurred if events else None
+
+
+def just_after_a_heartbeat(flow_run_id, *, margin_s: float = BEAT_MARGIN_S) -> float:
+    """Return when the flow run's newest heartbeat is recent enough that the next one is at least margin_s away;
+    returns the seconds waited (at most about one interval; none when heartbeats are off).
+
+    Why: Prefect's heartbeat thread (prefect.flow_engine._send_heartbeats) checks only for a final state and
+    stops when the engine leaves the run, after suspend_flow_run has set Suspended. A beat sent in between
+    follows the Suspended event: it opens a new window of the crash automation (eyas_cli.automation) that
+    nothing closes, and the run waiting at the gate is marked Crashed one window later. Suspending just after
+    a beat gives the process most of an interval to exit. If no beat shows up (the server stores events every
+    few seconds), the run suspends anyway after one interval and says so."""
+    frequency = get_current_settings().flows.heartbeat_frequency
+    if not frequency:
+        return 0.0
+    interval = max(frequency, MIN_HEARTBEAT_S)
+    start = time.monotonic()
+    while True:
+        newest = newest_heartbeat(flow_run_id, 2 * interval)
+        waited = time.monotonic() - start
+        if newest is not None:
+            age = (datetime.now(timezone.utc) - newest).total_seconds()
+            if age <= interval - margin_s:
+                return waited
+            pause = max(1.0, interval - age + 1.0)  # the next beat is due: look just after it
+        else:
+            pause = 1.0
+        if waited + pause > 2 * interval:
+            print(
+                f"no heartbeat of flow run {flow_run_id} stored in {waited:.0f} s (every {interval} s expected): "
+                "suspending anyway; if one lands just after, the crash automation may mark this waiting run "
+                "Crashed: retry it"
+            )
+            return waited
+        time.sleep(pause)

@@ -164,6 +164,9 @@ def scenario(prefect_server, tmp_path_factory, tiny_target_dir):
         # a run waiting at the gate long past the heartbeat window, and one whose gate times out
         obs["waiting"] = start("gate-probe/crash-test", small_config(root / "waiting", tiny_target_dir))
         obs["expiring"] = start("gate-probe/crash-test", small_config(root / "expiring", tiny_target_dir, timeout_s=10))
+        # both suspend before the pipeline starts (a gate suspends just after a heartbeat: up to ~15 s late)
+        waiting_since = wait_for(lambda: read_run(obs["waiting"]).state.is_paused() and time.monotonic(), 120, "gate")
+        wait_for(lambda: (s := read_run(obs["expiring"]).state).is_paused() or s.is_final(), 120, "the other gate")
         run_id = obs["run"] = start("pipeline/crash-test", config)
         timeline.mark("started")
 
@@ -176,7 +179,6 @@ def scenario(prefect_server, tmp_path_factory, tiny_target_dir):
         timeline.mark("killed during extraction", rows=obs["rows_at_kill"], processes=len(killed))
         assert rows and state_of(run_id) == "Running"
         reference = reference_outputs(config, root / "reference", open(root / "reference.log", "wb"))
-        waiting_since = wait_for(lambda: read_run(obs["waiting"]).state.is_paused() and time.monotonic(), 60, "gate")
         wait_for(lambda: state_of(run_id) == "Crashed", 3 * WITHIN_S, "the automation to mark the run Crashed")
         timeline.mark("marked Crashed by the automation", message=read_run(run_id).state.message)
         obs["next_after_crash"] = status_next_steps(config)

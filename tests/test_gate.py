@@ -117,3 +117,42 @@ def test_unanswered_gate_fails_the_run_with_the_reason(prefect_server, config):
     reason = "approval gate: nobody answered within approval.timeout_s=10 s; nothing was trained"
     assert reason in state.message
     assert "Training timed out" in decisions(run_id)[0]
+
+
+def test_a_suspension_waits_until_just_after_a_heartbeat(prefect_server):
+    """A beat sent after Suspended would open a crash-automation window nothing closes (tasks.gate
+    just_after_a_heartbeat): with the newest stored beat 25 s old the gate waits for the next one."""
+    import threading
+    import time
+    from datetime import datetime, timedelta, timezone
+
+    from prefect.events import emit_event
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from tasks.gate import HEARTBEAT_EVENT, just_after_a_heartbeat, newest_heartbeat
+
+    run_id = uuid.uuid4()
+    resource = {"prefect.resource.id": f"prefect.flow-run.{run_id}"}
+
+    def beat(age_s: float) -> datetime:
+        occurred = datetime.now(timezone.utc) - timedelta(seconds=age_s)
+        emit_event(HEARTBEAT_EVENT, resource, occurred=occurred)
+        return occurred
+
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 30}):
+        old = beat(25)
+        deadline = time.monotonic() + 30
+        while newest_heartbeat(run_id, 60) is None:  # the server stores events every few seconds
+            assert time.monotonic() < deadline, "the emitted heartbeat was never stored"
+            time.sleep(0.5)
+        later = threading.Timer(3, beat, args=(0,))
+        later.start()
+        start = time.monotonic()
+        waited = just_after_a_heartbeat(run_id)
+        later.join()
+        newest = newest_heartbeat(run_id, 60)
+        assert waited >= 3 and time.monotonic() - start >= 3 and newest > old
+        assert (datetime.now(timezone.utc) - newest).total_seconds() <= 20  # the next beat is >= 10 s away
+        assert just_after_a_heartbeat(run_id) < 2  # a fresh beat: no wait
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        assert just_after_a_heartbeat(uuid.uuid4()) == 0.0  # no heartbeats: nothing to wait for

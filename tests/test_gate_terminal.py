@@ -178,7 +178,9 @@ def test_a_1t_targets_decision_fits_80_columns(tmp_path):
         devices={"backend": "nccl", "num_processes": 8, "ok": True, "devices": []},
     )
     t = config.train
-    steps = 37000 // t.global_batch_size * t.num_epochs  # each epoch's tail (< one batch) is skipped
+    num_train = 37000 - round(37000 * t.eval_fraction)  # the held-out split is not trained on
+    assert t.eval_fraction > 0 and num_train < 37000
+    steps = num_train // t.global_batch_size * t.num_epochs  # each epoch's tail (< one batch) is skipped
     tokens = steps * t.global_batch_size * 2373  # every sample fits draft.max_position_embeddings
     assert config.draft.max_position_embeddings >= 2373 and not t.max_steps
     wall_s = tokens / (20000 * t.num_processes)

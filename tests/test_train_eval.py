@@ -116,6 +116,15 @@ def test_the_evaluation_is_the_same_on_one_process(evaluated_run, tiny_run, tmp_
     assert first["acc_k"] == pytest.approx(two["acc_k"], abs=0.05)
 
 
+def test_a_held_out_split_smaller_than_the_world_is_counted_once(tiny_run, tmp_path):
+    # one held-out sample, two ranks: the rank without one runs the forward FSDP2 needs and counts nothing
+    assert len(held_out_ids(NUM_SAMPLES, 0.03)) == 1
+    two = train(tiny_run, tmp_path / "two", 2, eval_fraction=0.03, max_steps=1)[0]["eval"]
+    one = train(tiny_run, tmp_path / "one", None, eval_fraction=0.03, max_steps=1)[0]["eval"]
+    assert (two["num_rounds"], two["num_tokens"]) == (one["num_rounds"], one["num_tokens"]) and one["num_rounds"] > 0
+    assert two["tau_estimate"] == pytest.approx(one["tau_estimate"], abs=0.05)
+
+
 def test_the_best_marker_names_the_best_checkpoint_and_survives_rotation(evaluated_run):
     out, metrics = evaluated_run["out"], evaluated_run["metrics"]
     saved = {m["step"]: m["eval"]["tau_estimate"] for m in metrics if m["step"] % 2 == 0}

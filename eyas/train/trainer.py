@@ -259,11 +259,6 @@ class Trainer:
             self.sync_copy()
         self.setup = build_setup(job, ctx.rank)
         self.split = TrainSplit.of(len(self.setup.samples), t.eval_fraction)
-        if len(self.split.eval_ids) and len(self.split.eval_ids) < ctx.world:
-            raise ValueError(
-                f"train.eval_fraction={t.eval_fraction}: {len(self.split.eval_ids)} held-out samples of "
-                f"{len(self.setup.samples)} for {ctx.world} ranks; every rank needs one; raise eval_fraction"
-            )
         self.num_train = len(self.split.train_ids)
         self.windows = self.split.windows(sample_windows(self.setup.samples, job))
         self.draft = self.setup.draft.to(ctx.device)
@@ -312,7 +307,8 @@ class Trainer:
 
     def eval_batches(self) -> list[list[int]]:
         """The held-out ids in global batches of train.global_batch_size; a tail too small to give every rank
-        a sample joins the batch before it, so every rank runs the same number of forwards (FSDP2 needs it)."""
+        a sample joins the batch before it (a rank left without one in a batch runs a forward it does not count:
+        every rank runs the same number of forwards, as FSDP2 needs)."""
         ids, size = list(self.split.eval_ids), self.train_config.global_batch_size
         batches = [ids[i : i + size] for i in range(0, len(ids), size)]
         if len(batches) > 1 and len(batches[-1]) < self.ctx.world:
@@ -325,10 +321,17 @@ class Trainer:
         num_steps = max(t.num_ttt_steps, self.job.chain_steps)
         with torch.no_grad():
             for ids in self.eval_batches():
-                mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
-                batch = collate(mine, self.job.draft.max_position_embeddings, min_len=num_steps + 1)
+                world, rank = self.ctx.world, self.ctx.rank
+                mine = rank_slice(ids, rank, world) if len(ids) >= world else ids[rank : rank + 1]
+                # fewer held-out samples than ranks: a rank without one still runs the forward (FSDP2's
+                # collectives need every rank) on the batch's first sample, and counts nothing of it
+                samples = [self.setup.samples.load_sample(i) for i in mine or ids[:1]]
+                batch = collate(samples, self.job.draft.max_position_embeddings, min_len=num_steps + 1)
                 on_device = {k: v.to(self.ctx.device) for k, v in batch.items()}
-                total = add_stats(total, self.model(on_device, num_steps, self.job.chain_steps))
+                stats = self.model(on_device, num_steps, self.job.chain_steps)
+                if not mine:
+                    stats = {k: torch.zeros_like(stats[k]) for k in EVAL_KEYS}
+                total = add_stats(total, stats)
         reshard(self.model)
         flat = torch.cat([total[k] for k in EVAL_KEYS]).to(self.ctx.device)
         if dist.is_initialized():

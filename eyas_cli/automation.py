@@ -14,7 +14,10 @@ when a heartbeat is followed within `within_s` by neither another heartbeat nor 
 that it can be retried and resume.
 
 Unlike the documented one it also expects `Suspended`: a deployment's run waiting at the approval gate
-is suspended, has no process at all and sends no heartbeats, and must not be marked Crashed. It does
+is suspended, has no process at all and sends no heartbeats, and must not be marked Crashed. The gate
+also sends `eyas.gate.suspending` for the run just before it suspends (eyas.gate.GATE_SUSPENDING_EVENT):
+Prefect's Suspended event follows the run's previous state event, and the server's triggers hold it back
+until they have processed that one, on a busy server past the window (seen under the test suite's load). It does
 not expect `Paused`: a run paused at the gate waits in its process and keeps beating, and a Paused
 event must not close the window (a process killed within one beat of pausing would never be marked).
 
@@ -35,6 +38,8 @@ import os
 from datetime import timedelta
 from uuid import UUID
 
+from eyas.gate import GATE_SUSPENDING_EVENT
+
 NAME = "eyas: mark runs Crashed when their heartbeats stop"
 HEARTBEAT_S = 30
 WITHIN_S = 3 * HEARTBEAT_S
@@ -47,6 +52,7 @@ EXPECTED = (
     "prefect.flow-run.Cancelled",
     "prefect.flow-run.Crashed",
     "prefect.flow-run.Suspended",  # waiting at the gate with no process: no heartbeat until it is resumed
+    GATE_SUSPENDING_EVENT,  # the gate's own word for it, sent just before (eyas.gate)
 )
 
 

@@ -28,7 +28,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
-from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+from prefect.events import emit_event
+from prefect.events.filters import EventFilter, EventIDFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, suspend_flow_run
 from prefect.input import RunInput
@@ -40,6 +41,7 @@ from eyas.config import RunConfig
 from eyas.dataset.table import tokenized_num_samples
 from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text
+from eyas.gate import GATE_SUSPENDING_EVENT
 from eyas.gate.approval import (
     OVERRIDABLE,
     gate_fingerprint,
@@ -167,6 +169,7 @@ def wait_for_answer(config: RunConfig, form: type[TrainingApproval], key: str) -
     print("waiting for approval: answer in the UI (Resume), or `eyas approve <flow-run-id> [--reject]`")
     if run.deployment_id is not None and run.parent_task_run_id is None:
         just_after_a_heartbeat(run.id)
+        announce_suspension(run.id)
         return suspend_flow_run(wait_for_input=form, timeout=timeout_s, key=key)
     try:
         return pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=2, key=key)
@@ -260,9 +263,17 @@ def newest_heartbeat(flow_run_id, within_s: float) -> datetime | None:
         resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
         occurred=EventOccurredFilter(since=now - timedelta(seconds=within_s), until=now + timedelta(seconds=60)),
     )
-    with get_client(sync_client=True) as client:
-        events = client.read_events(filter=only, limit=1).events  # newest first (EventFilter.order)
+    events = read_events(only)  # newest first (EventFilter.order)
     return events[0].occurred if events else None
+
+
+def read_events(only: EventFilter, limit: int = 1) -> list:
+    with get_client(sync_client=True) as client:
+        return client.read_events(filter=only, limit=limit).events
+
+
+def stored(only: EventFilter) -> bool:
+    return bool(read_events(only))
 
 
 def just_after_a_heartbeat(flow_run_id, *, margin_s: float = BEAT_MARGIN_S) -> float:
@@ -298,3 +309,29 @@ def just_after_a_heartbeat(flow_run_id, *, margin_s: float = BEAT_MARGIN_S) -> f
             )
             return waited
         time.sleep(pause)
+
+
+def announce_suspension(flow_run_id, *, timeout_s: float = 30.0) -> bool:
+    """Send GATE_SUSPENDING_EVENT for the flow run (the crash automation expects it after a heartbeat) and wait
+    until the server has stored it, so that it left this process before the process exits; False (said in a
+    line) when it was not stored within timeout_s."""
+    sent = emit_event(GATE_SUSPENDING_EVENT, {"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"})
+    if sent is None:  # emit_event sends nothing where Prefect emits no events (no API): no automation either
+        print(f"{GATE_SUSPENDING_EVENT} not sent for flow run {flow_run_id}: this process emits no events")
+        return False
+    only = EventFilter(
+        id=EventIDFilter(id=[sent.id]),
+        occurred=EventOccurredFilter(
+            since=sent.occurred - timedelta(seconds=1), until=sent.occurred + timedelta(seconds=1)
+        ),
+    )
+    deadline = time.monotonic() + timeout_s
+    while not stored(only):
+        if time.monotonic() > deadline:
+            print(
+                f"the server had not stored {GATE_SUSPENDING_EVENT} of flow run {flow_run_id} after {timeout_s:.0f} "
+                "s: suspending anyway; if the crash automation marks this waiting run Crashed, retry it"
+            )
+            return False
+        time.sleep(0.5)
+    return True

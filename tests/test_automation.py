@@ -88,3 +88,37 @@ def test_the_window_comes_from_the_environment_and_a_bad_one_is_refused(monkeypa
         monkeypatch.setenv(WINDOW_ENV, bad)
         with pytest.raises(UserError, match=f"{WINDOW_ENV}='{bad}': expected whole seconds above the heartbeat"):
             crash_window_s()
+
+
+def test_a_beat_followed_by_the_gates_event_is_not_marked_crashed(prefect_server, installed):
+    """Two runs beat once; one then sends the gate's event (tasks.gate.announce_suspension): after the window
+    only the other is Crashed."""
+    import time
+    import uuid
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+    from prefect.states import Running
+
+    from eyas_cli.automation import install_crash_detection
+    from tasks.gate import announce_suspension
+
+    @flow(name="automation-probe")
+    def probe():
+        pass
+
+    with get_client(sync_client=True) as client:
+        gated, silent = (
+            client.create_flow_run(probe, name=f"probe-{uuid.uuid4().hex[:6]}", state=Running()).id for _ in range(2)
+        )
+        install_crash_detection(within_s=10)
+        for run_id in (gated, silent):
+            emit_event("prefect.flow-run.heartbeat", {"prefect.resource.id": f"prefect.flow-run.{run_id}"})
+        assert announce_suspension(gated)  # stored by the server
+        deadline = time.monotonic() + 60
+        while client.read_flow_run(silent).state.name != "Crashed":
+            assert time.monotonic() < deadline, "the run that only beat was never marked Crashed"
+            time.sleep(0.5)
+        time.sleep(10)  # one more window and proactive sweep
+        assert client.read_flow_run(gated).state.name == "Running"

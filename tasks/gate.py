@@ -272,17 +272,13 @@ def read_events(only: EventFilter, limit: int = 1) -> list:
         return client.read_events(filter=only, limit=limit).events
 
 
-def stored(only: EventFilter) -> bool:
-    return bool(read_events(only))
-
-
 def just_after_a_heartbeat(flow_run_id, *, margin_s: float = BEAT_MARGIN_S) -> float:
     """Return when the flow run's newest heartbeat is recent enough that the next one is at least margin_s away;
     returns the seconds waited (at most about one interval; none when heartbeats are off).
 
     Why: Prefect's heartbeat thread (prefect.flow_engine._send_heartbeats) checks only for a final state and
     stops when the engine leaves the run, after suspend_flow_run has set Suspended. A beat sent in between
-    follows the Suspended event: it opens a new window of the crash automation (eyas_cli.automation) that
+    follows the Suspended event and the gate's own (announce_suspension): it opens a new window of the crash automation (eyas_cli.automation) that
     nothing closes, and the run waiting at the gate is marked Crashed one window later. Suspending just after
     a beat gives the process most of an interval to exit. If no beat shows up (the server stores events every
     few seconds), the run suspends anyway after one interval and says so."""
@@ -326,7 +322,7 @@ def announce_suspension(flow_run_id, *, timeout_s: float = 30.0) -> bool:
         ),
     )
     deadline = time.monotonic() + timeout_s
-    while not stored(only):
+    while not read_events(only):
         if time.monotonic() > deadline:
             print(
                 f"the server had not stored {GATE_SUSPENDING_EVENT} of flow run {flow_run_id} after {timeout_s:.0f} "

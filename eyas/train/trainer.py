@@ -306,22 +306,18 @@ class Trainer:
         return bool(self.split.eval_ids) and (self.saves_now() or bool(every) and self.step % every == 0)
 
     def eval_batches(self) -> list[list[int]]:
-        """The held-out ids in global batches of train.global_batch_size; a tail too small to give every rank
-        a sample joins the batch before it (a rank left without one in a batch runs a forward it does not count:
-        every rank runs the same number of forwards, as FSDP2 needs)."""
+        """The held-out ids in global batches of train.global_batch_size (the last one may be smaller, even
+        smaller than the world: `evaluate` gives a rank without a sample a forward it does not count)."""
         ids, size = list(self.split.eval_ids), self.train_config.global_batch_size
-        batches = [ids[i : i + size] for i in range(0, len(ids), size)]
-        if len(batches) > 1 and len(batches[-1]) < self.ctx.world:
-            batches[-2] += batches.pop()
-        return batches
+        return [ids[i : i + size] for i in range(0, len(ids), size)]
 
     def evaluate(self) -> dict:
         """The held-out split's accuracy per position and estimated tau (eyas.train.evaluate), all ranks summed."""
         t, total = self.train_config, None
         num_steps = max(t.num_ttt_steps, self.job.chain_steps)
+        world, rank = self.ctx.world, self.ctx.rank
         with torch.no_grad():
             for ids in self.eval_batches():
-                world, rank = self.ctx.world, self.ctx.rank
                 mine = rank_slice(ids, rank, world) if len(ids) >= world else ids[rank : rank + 1]
                 # fewer held-out samples than ranks: a rank without one still runs the forward (FSDP2's
                 # collectives need every rank) on the batch's first sample, and counts nothing of it

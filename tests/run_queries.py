@@ -64,13 +64,28 @@ def artifacts(flow_run_id, key: str) -> list:
     return sorted(found, key=lambda a: a.created)
 
 
-def artifacts_with_key(key: str, since) -> list:
-    """Artifacts `key` of any flow run created after `since` (a datetime), oldest first."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+def run_tree(run_id) -> list:
+    """The id of a flow run and of every flow run started under it (its subflows, recursively)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
+    found, todo = [run_id], [run_id]
     with client() as c:
-        found = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
-    return sorted((a for a in found if a.created >= since), key=lambda a: a.created)
+        while todo:
+            flt = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[todo.pop()]))
+            children = [r.id for r in c.read_flow_runs(flow_run_filter=flt)]
+            found += children
+            todo += children
+    return found
+
+
+def artifacts_in_tree(run_id, key: str) -> list:
+    """Artifacts `key` of a flow run and of the runs under it, oldest first."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    flt = ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=run_tree(run_id)))
+    with client() as c:
+        found = c.read_artifacts(artifact_filter=flt)
+    return sorted(found, key=lambda a: a.created)
 
 
 def logs(flow_run_id) -> list[str]:

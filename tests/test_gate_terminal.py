@@ -1,8 +1,10 @@
 """The gate in a terminal: `eyas demo` prints the decision, laid out for 80 columns, before it asks; "n" rejects.
 
 The real command runs in a pseudo-terminal (so its stdin is a terminal and the gate asks there) against the
-test's Prefect server, up to the gate; the test answers "n". A unit case lays out a 1T target's draft
-(H 7168) and checks the width and the figures.
+test's Prefect server, up to the gate; the test answers "n". It runs from a copy of the checkout in a directory
+whose 40-character name holds a space (as CI systems and worktree setups name them), through an interpreter path
+there too: nothing the terminal shows may depend on where the repository lies. A unit case lays out a 1T
+target's draft (H 7168) and checks the width and the figures.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import pty
 import re
 import select
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -18,20 +22,48 @@ from pathlib import Path
 
 import pytest
 
+from eyas.config import load_run_config
 from eyas.gate.summary import TERMINAL_WIDTH, duration_text, review, terminal_text
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Approve training now? [y/N]"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+CHECKOUT_NAME = "a checkout 0123456789abcdef0123456789abc"  # 40 characters, one of them a space
+
+
+def words(line: str) -> list[str]:
+    """The line's words as the shell reads them (a quoted path with a space is one), or as prose."""
+    try:
+        return shlex.split(line.strip().removesuffix("\\"))
+    except ValueError:  # an apostrophe in prose
+        return line.split()
 
 
 def too_wide(text: str) -> list[str]:
     """Lines wider than the terminal, except a command line holding one argument that no line could hold."""
-    return [
-        line
-        for line in text.splitlines()
-        if len(line) > TERMINAL_WIDTH and len(line.strip().removesuffix("\\").split()) > 1
-    ]
+    return [line for line in text.splitlines() if len(line) > TERMINAL_WIDTH and len(words(line)) > 1]
+
+
+def shell_arguments(lines: list[str]) -> list[str]:
+    """The arguments bash reads from the lines pasted after a command name, backslash-newlines and all."""
+    script = "printf '%s\\0' " + "\n".join(lines)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, check=True).stdout
+    return [arg.decode() for arg in out.split(b"\0")[:-1]]
+
+
+def copy_checkout(dest: Path) -> Path:
+    """The working tree as git sees it (tracked and new files, no ignored ones) copied to dest, with a `.venv`
+    that links this interpreter's environment; returns the interpreter path inside dest."""
+    ls_files = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    listed = subprocess.run(ls_files, cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if (REPO / name).is_file():  # a tracked file deleted from the working tree is not there
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    if sys.prefix == sys.base_prefix:  # not in a virtual environment: the interpreter stays where it is
+        return Path(sys.executable)
+    (dest / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    return dest / ".venv" / "bin" / Path(sys.executable).name
 
 
 def read_until(fd: int, needle: str, timeout_s: float, seen: list[str]) -> str:
@@ -55,12 +87,15 @@ def read_until(fd: int, needle: str, timeout_s: float, seen: list[str]) -> str:
 @pytest.mark.e2e
 @pytest.mark.timeout(1500)
 def test_eyas_demo_prints_the_decision_before_it_asks_and_n_rejects(prefect_server, removes_crash_automation, tmp_path):
-    workdir = tmp_path / "demo"
+    checkout = tmp_path / CHECKOUT_NAME
+    python = copy_checkout(checkout)
+    workdir = checkout / "runs" / "demo"
     controller, terminal = pty.openpty()
-    env = {**os.environ, "COLUMNS": str(TERMINAL_WIDTH), "APPROVE": ""}
+    path = os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))  # the copy's code, not ours
+    env = {**os.environ, "COLUMNS": str(TERMINAL_WIDTH), "APPROVE": "", "PYTHONPATH": path}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eyas_cli.main", "demo", "--workdir", str(workdir)],
-        cwd=REPO,
+        [str(python), "-m", "eyas_cli.main", "demo", "--workdir", str(workdir)],
+        cwd=checkout,
         env=env,
         stdin=terminal,
         stdout=terminal,
@@ -87,8 +122,13 @@ def test_eyas_demo_prints_the_decision_before_it_asks_and_n_rejects(prefect_serv
         estimate = re.search(r"^Estimate\s+about [\d.]+ (s|min|h) wall, [\d.]+ CPU process-hours", summary, re.M)
         assert estimate, summary
         assert "at the smoke run's" in summary and "tokens/s each" in summary
-        assert re.search(r"^Command\n  .*-m torch\.distributed\.run", summary, re.M), summary
-        assert "eyas.train" in summary and str(workdir / "train" / "job.json") in summary
+        # the command block, pasted into a shell, is the very command, whatever the paths hold
+        command = summary.strip().split("\nCommand\n", 1)[1].splitlines()
+        nproc = load_run_config(checkout / "deployments" / "tiny-cpu.json").train.num_processes
+        assert shell_arguments(command) == [
+            str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "eyas.train", "--config", str(workdir / "train" / "job.json"),
+        ], command  # fmt: skip
         assert not too_wide(summary), too_wide(summary)
         assert (workdir / "gate-summary.txt").read_text().strip() == summary.strip()
 
@@ -113,7 +153,6 @@ def test_eyas_demo_prints_the_decision_before_it_asks_and_n_rejects(prefect_serv
 
 def test_a_1t_targets_decision_fits_80_columns(tmp_path):
     """Kimi-K2.5's shapes (H 7168, vocab 163,840, draft vocab 32,000) and a long workdir: every line fits."""
-    from eyas.config import load_run_config
     from eyas.facts import RunFacts, TargetFacts
 
     config = load_run_config(REPO / "deployments" / "kimi-k25-8gpu.json")
@@ -190,20 +229,33 @@ def test_a_1t_targets_decision_fits_80_columns(tmp_path):
     ), r["estimate"]
 
 
-@pytest.mark.parametrize("width,split_words", [(78, False), (44, True), (30, True)])
+@pytest.mark.parametrize("width,split_words", [(78, False), (44, True), (30, True), (20, True)])
 def test_a_wrapped_command_runs_as_the_command(width, split_words):
-    """bash joins the wrapped lines back into the very arguments (backslash-newline inside a split word too)."""
+    """bash joins the wrapped lines back into the very arguments, whatever the paths hold: a checkout under a
+    40-character name with a space (each piece of a split quoted word is quoted on its own), an apostrophe, a
+    component longer than the line (split inside itself, a backslash-newline joining it again)."""
     from eyas.train.launch import wrap_command
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "-m", "eyas.train",
-           "--config", "/mnt/eyas/runs/kimi-k25-8gpu/a-rather-long-directory-name/train/job.json",
-           "it's q/x y"]  # fmt: skip
+    root = f"/tmp/ci-builds/{CHECKOUT_NAME}"
+    cmd = [f"{root}/.venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+           "-m", "eyas.train", "--config", f"{root}/runs/a-rather-long-directory-name/train/job.json",
+           "/mnt/eyas/runs/kimi-k25-8gpu/job.json", "it's q/x y", "x" * 2 * width]  # fmt: skip
     lines = wrap_command(cmd, width, split_words=split_words)
-    args = subprocess.run(
-        ["bash", "-c", "printf '%s\\0' " + "\n".join(lines).split(" ", 1)[1]], capture_output=True, check=True
-    ).stdout.split(b"\0")[:-1]
-    assert args == [c.encode() for c in cmd[1:]]
-    movable = [line for line in lines if len(line) > width]
-    assert all(len(line.strip().removesuffix("\\").split()) == 1 for line in movable), lines
+    assert shell_arguments(lines) == cmd, lines
     if split_words:
         assert max(map(len, lines)) <= width, lines
+    else:  # a line of its own for an argument no line could hold, never a split one
+        assert all(len(words(line)) == 1 for line in lines if len(line) > width), lines
+        assert all(line.endswith(" \\") for line in lines[:-1]), lines
+
+
+def test_a_split_path_breaks_after_a_slash_where_it_can():
+    from eyas.train.launch import wrap_command
+
+    cmd = ["python", "--config", "/mnt/eyas/runs/kimi-k25-8gpu/a-rather-long-directory-name/train/job.json"]
+    assert wrap_command(cmd, 44, split_words=True) == [
+        "python --config \\",
+        "    /mnt/eyas/runs/kimi-k25-8gpu/\\",
+        "a-rather-long-directory-name/train/\\",
+        "job.json",
+    ]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import threading
 import time
 import uuid
 
 import pytest
-from run_queries import artifacts, artifacts_with_key
+from run_queries import artifacts, artifacts_in_tree
 
 from eyas.config import load_run_config
 from eyas.train.checkpoint import read_best
@@ -107,7 +106,6 @@ def test_rejected_gate_never_starts_torchrun(prefect_server, e2e_config):
 @pytest.mark.timeout(1800)  # the whole pipeline, 30 epochs: ~5 min alone, up to 15 on a shared 2-core machine
 def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server, e2e_config):
     (e2e_config.paths.root / "approval.json").unlink(missing_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
     state, answered = run_pipeline_answering(e2e_config, approve=True)
     assert answered, "the run never paused at the approval gate"
     assert state.is_completed(), state.message
@@ -127,9 +125,10 @@ def test_approved_pipeline_trains_a_draft_that_beats_a_random_one(prefect_server
     provenance = json.loads((e2e_config.paths.export_dir / "sglang" / "eyas_export.json").read_text())
     assert provenance["source_checkpoint"].endswith(best["checkpoint"])
     assert abs(best["tau_estimate"] - result["tau_mean"]) <= TAU_ESTIMATE_TOLERANCE, (best, result["tau_mean"])
-    [evaluations] = [a.data for a in artifacts_with_key("train-evaluation", started)]
+    run_id = state.state_details.flow_run_id  # this run and its subflows, never another test's
+    [evaluations] = [a.data for a in artifacts_in_tree(run_id, "train-evaluation")]
     assert f"Best checkpoint: `{best['checkpoint']}`" in evaluations
-    snapshots = [a.data for a in artifacts_with_key(f"status-{e2e_config.name}", started)]
+    snapshots = [a.data for a in artifacts_in_tree(run_id, f"status-{e2e_config.name}")]
     stages = ["dataset", "extract", "verify", "train", "export", "bench"]
     assert [next((s for s in stages if f"(after {s})" in d.splitlines()[0]), d[:80]) for d in snapshots] == stages
     assert "| bench | done |" in snapshots[-1] and "| train | done |" in snapshots[-1]
@@ -174,18 +173,20 @@ def test_a_rerun_after_damage_detects_quarantines_and_heals_every_fault(prefect_
     assert (train_dir / "torchrun.log").read_bytes() == torchrun_log  # torchrun was not launched again
 
 
-def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server, e2e_config):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+def test_approve_refuses_a_run_not_waiting_at_the_gate(prefect_server):
+    """A late answer to a run of this test's own that is over: refused, naming the run's state."""
+    from prefect import flow
 
     from eyas_cli.approval import approve_run
     from eyas_cli.errors import UserError
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])))
-    assert runs, "no pipeline run recorded on the server"
-    with pytest.raises(UserError, match=r"is (Completed|Failed), not Paused at the approval gate; nothing to answer"):
-        approve_run(runs[0].id, approve=True, reviewer="late")
+    @flow(name="finished-before-the-answer")
+    def finished() -> None:
+        pass
+
+    run_id = finished(return_state=True).state_details.flow_run_id
+    with pytest.raises(UserError, match=rf"flow run {run_id} \(.+\) is Completed, not Paused at the approval gate"):
+        approve_run(run_id, approve=True, reviewer="late")
 
 
 def test_stage_verb_runs_its_flow_alone(prefect_server, e2e_config, tmp_path):

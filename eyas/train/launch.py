@@ -92,22 +92,30 @@ def planned_steps(num_samples: int, config: RunConfig) -> int:
 def wrap_command(cmd: list[str], width: int = 76, *, split_words: bool = False) -> list[str]:
     """The command as shell lines of at most `width` characters, continued with a backslash; pasted whole, it
     runs as `format_command(cmd)` does. An argument longer than a line gets a line of its own, or with
-    `split_words` (for a narrow box) is split after a `/` where it needs no quoting: a backslash-newline inside a
-    word joins its pieces again, so those continuation lines start at column 0."""
+    `split_words` (for a box that does not indent the lines) is split inside itself: after a `/` where that
+    keeps at least half a line, anywhere otherwise. A backslash-newline inside a word joins its pieces again,
+    so those continuation lines start at column 0; where the argument needs quoting, each piece is quoted on
+    its own (`'/a b/'\\` then `'c d'` is the one argument `/a b/c d`)."""
     lines, line = [], ""
-    for word in (shlex.quote(c) for c in cmd):
+    for arg in cmd:
+        word = shlex.quote(arg)
         if line and len(line) + 1 + len(word) + 2 > width:
             lines.append(line + " \\")
             line = "    "
         else:
             line = f"{line} " if line else ""
-        while split_words and len(line) + len(word) + 2 > width and word == shlex.quote(word) and "/" in word:
-            room = width - 1 - len(line)
-            cut = word.rfind("/", 0, room) + 1
-            if cut <= 0:
+        while split_words and len(line) + len(word) + 2 > width:
+            room = width - 1 - len(line)  # the piece and its backslash
+            fits = 0  # the longest head of the argument whose quoted form fits (a quoted form grows with it)
+            while fits < len(arg) - 1 and len(shlex.quote(arg[: fits + 1])) <= room:
+                fits += 1
+            if not fits:
                 break
-            lines.append(line + word[:cut] + "\\")
-            line, word = "", word[cut:]
+            slash = arg.rfind("/", 0, fits) + 1
+            cut = slash if slash > fits // 2 else fits
+            lines.append(line + shlex.quote(arg[:cut]) + "\\")
+            line, arg = "", arg[cut:]
+            word = shlex.quote(arg)
         line += word
     return [*lines, line]
 

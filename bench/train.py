@@ -25,7 +25,8 @@ from eyas.config import DraftConfig, TrainConfig, TrainJob
 from eyas.shards.synthetic import SyntheticSpec, write_synthetic_run
 from eyas.train.data import batch_at, collate
 from eyas.train.parallel import Dist
-from eyas.train.trainer import Trainer, TTTObjective, build_setup, make_optimizer, make_scheduler, train_step
+from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, train_step
+from eyas.train.trainer import Trainer, build_setup
 
 SPEC = SyntheticSpec(hidden=128, num_aux=3, vocab=2048, min_len=96, max_len=128, aux_layer_ids=(2, 4, 5))
 
@@ -74,7 +75,7 @@ def time_minimal(job: TrainJob, steps: int) -> float:
     scheduler = make_scheduler(optimizer, t.num_warmup_steps, steps)
     start = time.perf_counter()
     for batch in batches:
-        train_step(objective, optimizer, scheduler, batch, t.max_grad_norm)
+        train_step(objective, optimizer, scheduler, [batch], t.max_grad_norm)
     return time.perf_counter() - start
 
 

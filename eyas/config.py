@@ -398,6 +398,32 @@ class TrainConfig(StrictModel):
         description="rank 0 writes TensorBoard event files to OUTPUT/tb (loss, accuracy per position, estimated tau, "
         "lr, grad norm, tokens/s); open them with `tensorboard --logdir RUN/train/tb`",
     )
+    max_tokens_per_micro_batch: int = Field(
+        default=0,
+        ge=0,
+        description="0 = auto: the memory plan (`eyas plan CONFIG`) picks the largest budget whose peak fits the "
+        "device; N = each rank splits its share of a global batch into micro-batches of at most N tokens, padding "
+        "counted (samples of similar length grouped), accumulating gradients with one collective sync per step; "
+        "the update equals the whole batch's. At least the longest sample (draft.max_position_embeddings)",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="recompute each TTT unroll step (layers, logits, cross-entropy) in the backward instead of keeping "
+        "its activations: about a third more compute for a fraction of the activation memory; the same gradients",
+    )
+    device_memory_gib: float = Field(
+        default=0,
+        ge=0,
+        description="memory of one training device, for the memory plan before any device is held (H200: 139.8, "
+        "as torch reports it); 0 = CUDA runs are planned against the devices the preflight finds, CPU runs against "
+        "the host's available memory shared by train.num_processes",
+    )
+    collective_timeout_s: int = Field(
+        default=3600,
+        ge=60,
+        description="how long a rank waits in a collective (e.g. while rank 0 writes or restores a checkpoint) "
+        "before the process group gives up; passed to init_process_group",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -33,18 +33,20 @@ Inference (the reference engine, eyas.bench.proposers): `Eagle3Draft.decode` run
 sequence through a DraftKVCache, where slot = position. For a chain, step 0 fills slots 0..m-1 and step k >= 1 at
 the last index fills slot m-1+k, so the keys a query sees (every filled slot up to its own) are exactly the ones
 `unroll`'s step k sees at that index: step-0 keys causally and its own steps 1..k. `unroll`, `step` and
-`ttt_loss` (training) do not use it.
+training (eyas.objective.ttt_loss) do not use it. Training attention never forms the [T, T] scores: the causal
+block runs through a fused kernel and the unroll steps' own keys are merged through its log-sum-exp
+(eyas.attention).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.attention import IMPLEMENTATIONS, attention_scale, ttt_attention
 from eyas.draft_keys import DRAFT_OPTIONS
 
 
@@ -98,7 +100,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype)).to(dtype)  # the input's dtype (bf16 under autocast), as SGLang's kernel
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -128,34 +130,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, a.num_key_value_heads * a.head_dim, bias=False)
         self.v_proj = nn.Linear(width, a.num_key_value_heads * a.head_dim, bias=False)
         self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
+        self.impl = "fused"  # eyas.attention.IMPLEMENTATIONS; Eagle3Draft.set_attention
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
         return x.view(b, t, n, self.a.head_dim).transpose(1, 2)
 
-    def forward(self, x, positions, cache: list, valid: torch.Tensor | None):
-        """x [B,T,2H] (first layer) or [B,T,H]; cache: this layer's (k, v) of earlier unroll steps, cache[0] being step 0; valid [B,T] bool."""
+    def forward(self, x, positions, earlier: list, valid: torch.Tensor | None):
+        """x [B,T,2H] (first layer) or [B,T,H]; earlier: this layer's (k, v) of the earlier unroll steps, step 0's
+        first; valid [B,T] bool (right padding). Returns (output [B,T,H], this step's (k, v)): the caller keeps the
+        steps' keys (a wrapper such as FSDP2 may hand the module copies of its arguments, so nothing is appended to
+        them here). Attention itself: eyas.attention.ttt_attention."""
         a = self.a
         q = rope(self._heads(self.q_proj(x), a.num_attention_heads), positions, a.rope_theta)
         k = rope(self._heads(self.k_proj(x), a.num_key_value_heads), positions, a.rope_theta)
-        v = self._heads(self.v_proj(x), a.num_key_value_heads)
-        cache.append((k, v))
-        rep = a.num_attention_heads // a.num_key_value_heads
-        k0, v0 = (t.repeat_interleave(rep, dim=1) for t in cache[0])
-        scale = 1.0 / math.sqrt(a.head_dim)
-        scores = [q @ k0.transpose(-1, -2) * scale]  # [B,h,T,T]
-        tlen = x.shape[1]
-        mask = torch.ones(tlen, tlen, dtype=torch.bool, device=x.device).tril()
-        if valid is not None:
-            mask = mask & valid[:, None, None, :]
-        scores[0] = scores[0].masked_fill(~mask, float("-inf"))
-        diag = [(q * kj.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]
-        probs = torch.softmax(torch.cat(scores + diag, dim=-1), dim=-1)
-        out = probs[..., :tlen] @ v0
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + probs[..., tlen + j : tlen + j + 1] * vj.repeat_interleave(rep, dim=1)
-        b = x.shape[0]
-        return self.o_proj(out.transpose(1, 2).reshape(b, tlen, -1))
+        # a copy, not a view: the step returns v to its caller, and FSDP2 warns of views leaving a wrapped module
+        v = self._heads(self.v_proj(x), a.num_key_value_heads).clone(memory_format=torch.contiguous_format)
+        out = ttt_attention(q, [*earlier, (k, v)], attention_scale(a.head_dim), valid, self.impl)
+        b, tlen = x.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(b, tlen, -1)), (k, v)
 
     def decode(self, x, cache: DraftKVCache, layer: int) -> torch.Tensor:
         """Inference: x [1,T,W] at the next T slots of `cache` (slot = position), each attending to every slot up
@@ -202,13 +195,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a)
         self.norm_before_residual = a.norm_before_residual and first
 
-    def forward(self, embeds, hidden, positions, cache, valid):
-        """Returns the layer's output residual sum [B,T,H]; `embeds` is read by the first layer only."""
+    def forward(self, embeds, hidden, positions, earlier, valid):
+        """Returns (the layer's output residual sum [B,T,H], this step's (k, v)); `embeds` is read by the first
+        layer only; `earlier`: the layer's (k, v) of the earlier unroll steps (Attention.forward)."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1) if self.first else normed
-        hidden = residual + self.self_attn(x, positions, cache, valid)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended, kv = self.self_attn(x, positions, earlier, valid)
+        hidden = residual + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
     def decode(self, embeds, hidden, cache: DraftKVCache, layer: int):
         """forward at inference: the same layer, its attention through the slots of `cache` (Attention.decode)."""
@@ -246,6 +241,13 @@ class Eagle3Draft(nn.Module):
         """An empty unroll cache: one list of per-step (k, v) for each decoder layer."""
         return [[] for _ in range(self.arch.num_layers)]
 
+    def set_attention(self, impl: str) -> None:
+        """The training attention of every layer: fused (default), blockwise or eager (eyas.attention)."""
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"draft attention {impl!r}: expected one of {IMPLEMENTATIONS}")
+        for layer in self.decoder_layers():
+            layer.self_attn.impl = impl
+
     def freeze_embeddings(self) -> None:
         self.embed_tokens.weight.requires_grad_(False)
 
@@ -271,7 +273,8 @@ class Eagle3Draft(nn.Module):
         carried across the steps."""
         embeds = self.embed_tokens(input_ids)
         for layer, layer_cache in zip(self.decoder_layers(), cache, strict=True):
-            hidden = layer(embeds, hidden, positions, layer_cache, valid)
+            hidden, kv = layer(embeds, hidden, positions, layer_cache, valid)
+            layer_cache.append(kv)
         return self.norm(hidden) if self.arch.norm_output else hidden
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
@@ -295,16 +298,21 @@ class Eagle3Draft(nn.Module):
     def unroll(self, input_ids, aux_hidden, num_steps: int, valid=None):
         """TTT unroll over a batch. input_ids [B,L] are x_0..x_{L-1}; yields (k, draft logits [B,T,Vd])
         with T = L-1 where index t of step k predicts x_{t+k+2} (its target is z_{t+k+1})."""
-        b, seq = input_ids.shape
-        tlen = seq - 1
+        tlen = input_ids.shape[1] - 1
         hidden = self.project(aux_hidden[:, :tlen])
-        base = torch.arange(tlen, device=input_ids.device).expand(b, tlen)
         cache = self.new_cache()
         for k in range(num_steps):
-            ids = torch.zeros_like(base)
-            ids[:, : max(tlen - k, 0)] = input_ids[:, k + 1 :]
-            hidden = self.step(ids, hidden, base + k, cache, None if valid is None else valid[:, :tlen])
+            ids, positions = unroll_inputs(input_ids, k)
+            hidden = self.step(ids, hidden, positions, cache, None if valid is None else valid[:, :tlen])
             yield k, self.logits(hidden)
+
+
+def unroll_inputs(input_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unroll step k's token ids [B,T] (x_{t+k+1} at index t, 0 past the end) and positions [B,T] (t + k)."""
+    b, tlen = input_ids.shape[0], input_ids.shape[1] - 1
+    ids = torch.zeros(b, tlen, dtype=torch.int64, device=input_ids.device)
+    ids[:, : max(tlen - k, 0)] = input_ids[:, k + 1 :]
+    return ids, torch.arange(k, tlen + k, device=input_ids.device).expand(b, tlen)
 
 
 class DraftKVCache:
@@ -359,63 +367,3 @@ def build_draft(arch: DraftArch, embed_weight: torch.Tensor, d2t: torch.Tensor, 
         draft.t2d.copy_(t2d)
     draft.freeze_embeddings()
     return draft
-
-
-def teacher_probs(batch: dict, target_lm_head: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's next-token distribution over the draft vocab at every position, [B, L, Vd], and where it has
-    any mass [B, L].
-
-    Dense teacher (batch["last_hidden"] [B, L, H]): softmax of last_hidden @ target_lm_head.T (the lm_head rows of
-    the draft vocab). Top-K teacher (batch["topk_ids"], batch["topk_logprobs"] [B, L, K], log-probabilities over
-    the full target vocab): the entries whose ids are in the draft vocab (t2d), renormalized to sum to 1; the
-    mass outside the top K and outside the draft vocab is dropped, so when the top K holds all of the draft
-    vocab's mass this equals the dense teacher. A position none of whose K entries is in the draft vocab has no
-    mass and no loss.
-    """
-    if "topk_ids" not in batch:
-        logits = batch["last_hidden"].float() @ target_lm_head.float().T
-        return torch.softmax(logits, -1), torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
-    ids, vocab = batch["topk_ids"].long(), t2d.numel()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(
-            f"top-K teacher ids span {int(ids.min())}..{int(ids.max())}, expected 0..{vocab - 1} (the target's "
-            "vocab); the shards were extracted from another target: run eyas verify"
-        )
-    inside = t2d[ids]
-    draft_index = torch.where(inside, (torch.cumsum(t2d.long(), 0) - 1)[ids], 0)
-    p = torch.where(inside, batch["topk_logprobs"].float().exp(), 0.0)
-    dense = torch.zeros((*ids.shape[:-1], target_lm_head.shape[0]), device=p.device).scatter_add_(-1, draft_index, p)
-    mass = dense.sum(-1, keepdim=True)
-    return dense / mass.clamp_min(torch.finfo(torch.float32).tiny), mass.squeeze(-1) > 0
-
-
-def ttt_loss(draft: Eagle3Draft, batch: dict, target_lm_head: torch.Tensor, num_steps: int, decay: float):
-    """Soft cross-entropy against the target's distribution over the draft vocab (teacher_probs), per TTT step.
-
-    batch: input_ids [B,L], loss_mask [B,L], aux_hidden [B,L,nH], valid [B,L], and last_hidden [B,L,H] or
-    topk_ids + topk_logprobs [B,L,K].
-    target_lm_head: the target's lm_head rows for the draft vocab [Vd, H].
-    Returns (total loss, per-step losses, per-step top-1 accuracies, per-step token counts).
-    """
-    ids, mask, valid = batch["input_ids"], batch["loss_mask"].bool(), batch["valid"]
-    with torch.no_grad():
-        target_p, has_mass = teacher_probs(batch, target_lm_head, draft.t2d)  # [B,L,Vd], [B,L]
-    mask = mask & has_mass
-    tlen = ids.shape[1] - 1
-    total = torch.zeros((), device=ids.device)
-    losses, accs, counts = [], [], []
-    for k, logits in draft.unroll(ids, batch["aux_hidden"].float(), num_steps, valid):
-        span = max(tlen - k, 0)
-        tgt = target_p[:, k + 1 : k + 1 + span]
-        m = (mask[:, k + 1 : k + 1 + span] & valid[:, k + 1 : k + 1 + span]).float()
-        lg = logits[:, :span].float()
-        ce = -(tgt * torch.log_softmax(lg, -1)).sum(-1)
-        n = m.sum().clamp(min=1.0)
-        loss_k = (ce * m).sum() / n
-        total = total + (decay**k) * loss_k
-        with torch.no_grad():
-            acc = ((lg.argmax(-1) == tgt.argmax(-1)).float() * m).sum() / n
-        losses.append(loss_k.detach())
-        accs.append(acc)
-        counts.append(m.sum())
-    return total, losses, accs, counts

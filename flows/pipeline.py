@@ -30,8 +30,8 @@ def pipeline(config: RunConfig) -> dict:
     facts = resolve_run_facts(config)
     extract_flow(config, facts)
     verified = verify_flow(config, facts)
+    devices = preflight(config, facts)  # before the smoke run: a GPU run's smoke runs on a training device
     smoke = smoke_run(config, facts)
-    devices = preflight(config)
     summary = gate_summary(config, facts, dataset["dataset"], verified, smoke, devices)
     approval = approval_gate(config, summary, num_samples=facts.num_samples, accept_overrides=True)
     train_flow(apply_overrides(config, approval.overrides()), facts, require_approval=False)

@@ -1,4 +1,4 @@
-"""Flow `train-drafter`: smoke run, approval gate, then the multi-process trainer under torchrun.
+"""Flow `train-drafter`: device preflight, smoke run, approval gate, then the multi-process trainer under torchrun.
 
 The pipeline gates once in its own run and calls this flow with `require_approval=False`.
 """
@@ -17,14 +17,14 @@ from tasks.train import launch_torchrun, preflight, smoke_run
 @flow(name="train-drafter", log_prints=True)
 def train_flow(config: RunConfig, facts: RunFacts | None = None, require_approval: bool = True) -> dict:
     """Train the draft under torchrun, resuming from the newest complete checkpoint; alone, it asks for approval
-    first (smoke run, device preflight, the gate).
+    first (device preflight, smoke run, the gate).
 
     `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
     settle_earlier_attempts()  # a retry of this flow's own run (a subflow of a retried pipeline is a new run)
     facts = facts or resolve_run_facts(config)
     if require_approval:
+        devices = preflight(config, facts)  # before the smoke run: a GPU run's smoke runs on a training device
         smoke = smoke_run(config, facts)
-        devices = preflight(config)
         dataset = {"num_samples": facts.num_samples}
         summary = gate_summary(config, facts, dataset, {"mode": "not run here"}, smoke, devices)
         approval_gate(config, summary, num_samples=facts.num_samples)

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from eyas.config import RunConfig
 from eyas.export.serving import check_variant_served
 from eyas.facts import RunFacts, resolve_facts
+from eyas.train.memory_plan import check_run_plan
 from tasks.retry import TRANSIENT_IO
 
 
@@ -16,6 +17,9 @@ from tasks.retry import TRANSIENT_IO
 @task(name="resolve-run-facts", cache_policy=NO_CACHE, **TRANSIENT_IO)
 def resolve_run_facts(config: RunConfig) -> RunFacts:
     """The target's shape and fingerprint, the aux layer ids, the dataset's hash and size, where shards go; a
-    draft.variant the export's servers would not run is refused here, before extraction and training."""
+    draft.variant the export's servers would not run, and a training run whose memory plan does not fit its
+    devices (eyas.train.memory_plan), are refused here, before extraction and training."""
     check_variant_served(config)
-    return resolve_facts(config)
+    facts = resolve_facts(config)
+    check_run_plan(config, facts.target)
+    return facts

@@ -65,9 +65,10 @@ def smoke_run(config: RunConfig, facts: RunFacts) -> dict:
 
 # A live check right before the gate: never cached. Not retried: a busy GPU needs a person, not a loop.
 @task(name="device-preflight", cache_policy=NO_CACHE)
-def preflight(config: RunConfig) -> dict:
-    """The devices the run needs are visible and idle, and no earlier eyas launch is still running."""
-    return preflight_run(config).to_dict()
+def preflight(config: RunConfig, facts: RunFacts) -> dict:
+    """The devices the run needs are visible, idle and large enough for its memory plan, and no earlier eyas
+    launch is still running."""
+    return preflight_run(config, facts).to_dict()
 
 
 # Not cached: the checkpoints are the durable state. Relaunched at most MAX_RELAUNCHES times, 30 s apart (the

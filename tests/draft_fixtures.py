@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.draft import DraftArch, build_draft, ttt_loss
+from eyas.draft import DraftArch, build_draft
 from eyas.export.convert import export_sglang
 from eyas.layer_ids import LAYER_ID_CONVENTION
+from eyas.objective import ttt_loss
 from eyas.shards.format import ShardMeta, write_shard
 from eyas.shards.manifest import append_manifest_row
 from eyas.shards.reader import ShardSamples

@@ -11,8 +11,9 @@ import torch
 from run_fixtures import extract, run_trainer, tiny_job, write_tiny_run, write_tokenized
 
 from eyas.config import ExtractConfig
-from eyas.draft import DraftArch, build_draft, teacher_probs, ttt_loss
+from eyas.draft import DraftArch, build_draft
 from eyas.facts import facts_for
+from eyas.objective import teacher_probs, ttt_loss
 from eyas.shards.encoding import (
     FP8_MAX,
     ShardEncoding,

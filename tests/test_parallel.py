@@ -20,7 +20,7 @@ from eyas.train.parallel import (
     load_full_optimizer_state,
     parallelize,
 )
-from eyas.train.trainer import TTTObjective, make_optimizer, make_scheduler, train_step
+from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, train_step
 
 CPU = torch.device("cpu")
 
@@ -60,7 +60,7 @@ def batch(seed: int) -> dict:
 def train(training, seeds) -> None:
     _, model, optimizer, scheduler = training
     for seed in seeds:
-        train_step(model, optimizer, scheduler, batch(seed), max_grad_norm=0.5)
+        train_step(model, optimizer, scheduler, [batch(seed)], max_grad_norm=0.5)
 
 
 def assert_same_optimizer_state(found: dict, expected: dict) -> None:

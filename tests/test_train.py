@@ -13,7 +13,7 @@ import pytest
 import torch
 from run_fixtures import AUX_LAYER_IDS, run_trainer, tiny_job, write_tiny_run
 
-from eyas.draft import ttt_loss
+from eyas.objective import ttt_loss
 from eyas.train.__main__ import main
 from eyas.train.checkpoint import latest_complete, load_draft
 from eyas.train.data import batch_at, collate, total_steps
@@ -35,6 +35,8 @@ METRIC_KEYS = {
     "elapsed_s",
     "sample_ids",
     "tokens_per_s",
+    "padding_waste",
+    "micro_batches",
 }
 
 

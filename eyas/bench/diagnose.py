@@ -25,7 +25,7 @@ from safetensors import safe_open
 from eyas.bench.sglang import lint_launch_command
 from eyas.config import RunConfig
 from eyas.dataset.vocab import check_vocab_mapping
-from eyas.draft import DraftArch, ttt_loss
+from eyas.draft import DraftArch
 from eyas.export.configs import read_config
 from eyas.export.drafter_dir import read_export_provenance
 from eyas.export.keys import check_keys, expected_shapes
@@ -34,6 +34,7 @@ from eyas.export.serving import SGLANG_FORMAT_SINCE
 from eyas.facts import shard_source
 from eyas.fsio import atomic_write_text, read_json_record
 from eyas.layer_ids import LAYER_ID_CONVENTION, from_engine_layer_ids, sglang_convention, target_layout
+from eyas.objective import ttt_loss
 from eyas.shards.format import ShardMeta, read_shard_layout
 from eyas.shards.manifest import MANIFEST_NAME, read_manifest
 from eyas.shards.reader import ShardSamples

@@ -19,7 +19,7 @@ Teacher (what the loss compares the draft with):
   target's lm_head rows of the draft vocab (a dense softmax over the draft vocab).
 - topk: `teacher_topk_ids` int32 [T, K] and `teacher_topk_logprobs` [T, K] in `dtype` (float16 or float32):
   the target's K most likely next tokens at every position with their log-probabilities over the full
-  target vocab, in descending order. The loss (eyas.draft.teacher_probs) keeps the entries inside the draft
+  target vocab, in descending order. The loss (eyas.objective.teacher_probs) keeps the entries inside the draft
   vocab and renormalizes them; the mass outside the top K and outside the draft vocab is dropped.
 """
 
@@ -165,7 +165,7 @@ def encode_teacher(teacher: "torch.Tensor | TopK", enc: ShardEncoding) -> dict[s
     }
 
 
-# Stored teacher tensor -> the batch key eyas.draft.ttt_loss reads.
+# Stored teacher tensor -> the batch key eyas.objective.ttt_loss reads.
 TEACHER_KEYS = {
     "last_hidden_states": "last_hidden",
     "teacher_topk_ids": "topk_ids",

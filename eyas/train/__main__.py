@@ -57,7 +57,7 @@ def die_with_launcher() -> None:
 def main(argv: list[str] | None = None) -> int:
     job = load_job(parse_args(argv).config)
     die_with_launcher()
-    ctx = init_distributed(job.train.backend)
+    ctx = init_distributed(job.train.backend, job.train.collective_timeout_s)
     try:
         train(job, ctx)
     finally:

@@ -126,6 +126,32 @@ def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str,
     return batch
 
 
+def padded_length(num_tokens: int, max_len: int, min_len: int) -> int:
+    """The columns a sample of `num_tokens` takes in a batch: cut to max_len, at least min_len (collate)."""
+    return max(min(num_tokens, max_len), min_len)
+
+
+def split_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """A rank's samples (their padded lengths) grouped into micro-batches of at most `budget` tokens, padding
+    counted: sorted longest first (ties in order), each micro-batch takes the next samples while (samples + 1) x
+    its longest <= budget, so samples of similar length share one. budget 0 = one micro-batch of all, in order."""
+    if not budget:
+        return [list(range(len(lengths)))] if lengths else []
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > budget]
+    if too_long:
+        raise ValueError(
+            f"train.max_tokens_per_micro_batch={budget}: samples of {max(n for _, n in too_long)} tokens do not fit "
+            f"one micro-batch; raise it to at least the longest sample (draft.max_position_embeddings cuts them)"
+        )
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def _eval_key(index: int) -> bytes:
     return hashlib.sha256(f"eyas-eval:{index}".encode()).digest()[:8]
 

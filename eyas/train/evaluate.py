@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from eyas.draft import Eagle3Draft, teacher_probs
+from eyas.draft import Eagle3Draft
+from eyas.objective import teacher_probs
 
 EVAL_KEYS = ("correct", "counts", "loss_sum", "round_hist", "emitted")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import chain
 from typing import Literal
 
@@ -49,14 +50,16 @@ class Dist:
     device: torch.device
 
 
-def init_distributed(backend: str) -> Dist:
-    """The torchrun process group (env://), or a one-process group when not under torchrun."""
+def init_distributed(backend: str, timeout_s: float = 3600) -> Dist:
+    """The torchrun process group (env://), or a one-process group when not under torchrun; a collective waits at
+    most `timeout_s` (train.collective_timeout_s: rank 0 alone writes and restores checkpoints meanwhile)."""
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("train.backend='nccl' needs CUDA GPUs and none is visible; use backend 'gloo' on CPU")
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -64,35 +67,49 @@ def init_distributed(backend: str) -> Dist:
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 
-def parallelize(objective: nn.Module, parallelism: Parallelism, device: torch.device) -> nn.Module:
+def parallelize(
+    objective: nn.Module, parallelism: Parallelism, device: torch.device, *, bf16: bool = False
+) -> nn.Module:
     """The module a training step calls: `objective` wrapped by DDP, or `objective` itself sharded by FSDP2.
 
-    FSDP2 shards the objective as one group (the draft is one decoder layer or a short stack: too small to
-    group layer by layer), because only `objective.forward` is ever called: the draft's own
-    methods run inside it, after FSDP2's pre-forward hook has gathered the parameters. The frozen
-    embed_tokens is sharded like the rest; buffers (d2t, t2d) stay plain tensors on every rank.
+    FSDP2: each decoder layer is its own group and the objective the root (fc, norms, lm_head), with bf16
+    parameters and fp32 gradient reduction when training in bf16 (`MixedPrecisionPolicy`). Every unroll step runs
+    every layer, so a layer stays gathered from its first forward to its backward (reshard_after_forward=False)
+    instead of being gathered again at each of the K steps. The frozen embed_tokens is left out of FSDP
+    (ignored_params): each rank holds it whole, in the training dtype, and it is never gathered or reduced;
+    buffers (d2t, t2d) and the teacher's head rows stay plain tensors on every rank. Only `objective.forward` is
+    ever called from outside: the draft's methods run inside it, after the root's pre-forward hook.
     """
     if parallelism == "ddp":
-        # d2t/t2d never change: no buffer sync per forward.
-        return nn.parallel.DistributedDataParallel(objective, forward_sync_buffers=False)
+        # d2t/t2d never change: no buffer sync per forward; gradients live in the buckets (no second copy).
+        return nn.parallel.DistributedDataParallel(objective, forward_sync_buffers=False, gradient_as_bucket_view=True)
     if parallelism == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        fully_shard(objective, mesh=mesh)
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+            cast_forward_inputs=False,  # the batch keeps its dtypes: the teacher is computed from them in fp32
+        )
+        for layer in objective.draft.decoder_layers():
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        frozen = {p for p in objective.parameters() if not p.requires_grad}
+        fully_shard(objective, mesh=mesh, mp_policy=policy, ignored_params=frozen)
         return objective
     raise ValueError(f"train.parallelism={parallelism!r}: expected 'ddp' or 'fsdp2'")
 
 
 def reshard(model: nn.Module) -> None:
-    """After forwards without a backward (the held-out evaluation): FSDP2 keeps the root's parameters gathered
-    after its forward, expecting a backward to free them; reshard them so the draft is sharded again (its state
+    """After forwards without a backward (the held-out evaluation): FSDP2 keeps gathered parameters after a
+    forward, expecting a backward to free them; reshard every group so the draft is sharded again (its state
     dict, the next step). DDP and a plain module: nothing to do."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _dtensor_type() -> type | None:
@@ -125,7 +142,12 @@ def full_model_state(draft: nn.Module) -> dict[str, torch.Tensor]:
         state = get_model_state_dict(draft, options=_full_options(rank0_only=True))
     else:
         state = draft.state_dict() if _rank() == 0 else {}
-    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    # floating tensors in fp32 (the frozen embedding is held in the training dtype), as every checkpoint has them
+    return {k: _as_saved(v.detach().contiguous().cpu()) for k, v in state.items()}
+
+
+def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
 
 
 def _param_names(draft: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

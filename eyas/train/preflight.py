@@ -151,7 +151,7 @@ class PreflightFailed(RuntimeError):
     """A device the run needs is missing or busy, or an earlier launch is still running."""
 
 
-def preflight_run(config: RunConfig) -> PreflightReport:
+def preflight_run(config: RunConfig, facts=None) -> PreflightReport:
     """The stage entry right before the gate: the run's devices and process registry; raises PreflightFailed
     with every problem."""
     report = device_preflight(config.train, config.paths.train_dir)

@@ -30,7 +30,8 @@ from eyas.fsio import atomic_write_text, read_json_record
 from eyas.train.checkpoint import TRAINER_STATE_FILE, list_checkpoints, save_checkpoint
 from eyas.train.data import collate
 from eyas.train.launch import train_job
-from eyas.train.trainer import TTTObjective, build_setup, make_optimizer, reduce_stats, train_step
+from eyas.train.step import TTTObjective, make_optimizer, reduce_stats, train_step
+from eyas.train.trainer import build_setup
 
 # Rows of the approval gate's module table, in forward order, for a plain single-layer draft (module_rows).
 MODULE_ROWS = (
@@ -143,7 +144,7 @@ def smoke_train(job: TrainJob, smoke: SmokeConfig) -> SmokeResult:
     losses, step_s = [], []
     for _ in range(smoke.num_steps):
         step_start = time.perf_counter()
-        stats = train_step(objective, optimizer, scheduler, batch, t.max_grad_norm)
+        stats = train_step(objective, optimizer, scheduler, [batch], t.max_grad_norm)
         losses.append(reduce_stats(stats, t.ttt_decay)["loss"])
         step_s.append(time.perf_counter() - step_start)
     window = min(LOSS_WINDOW, smoke.num_steps // 2)

@@ -1,8 +1,10 @@
 """The trainer: one rank's training run of an EAGLE-3 draft on extracted hidden-state shards.
 
 Each optimizer step takes the next `train.global_batch_size` samples of the (seed, epoch) order
-(eyas.train.data), split over the ranks; the loss is `eyas.draft.ttt_loss`. AdamW updates every
-parameter except the frozen embed_tokens. `train.parallelism` picks DDP (a replica per rank) or
+(eyas.train.data), split over the ranks, and each rank's share into micro-batches of at most
+`train.max_tokens_per_micro_batch` tokens (the memory plan picks it when 0: eyas.train.memory_plan); one step
+is eyas.train.step.train_step, the loss `eyas.objective.ttt_loss`. AdamW updates every parameter except the
+frozen embed_tokens, which every rank holds in the training dtype. `train.parallelism` picks DDP (a replica per rank) or
 FSDP2 (sharded; eyas.train.parallel). Learning rate: linear warmup from lr/num_warmup_steps to lr over
 `num_warmup_steps` steps, then cosine decay towards 0 at the last step.
 
@@ -25,17 +27,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from eyas.config import TrainJob
 from eyas.dataset.vocab import load_vocab
-from eyas.draft import DraftArch, Eagle3Draft, build_draft, ttt_loss
+from eyas.draft import DraftArch, Eagle3Draft, build_draft
 from eyas.fsio import atomic_write_text
 from eyas.shards.reader import ShardSamples
 from eyas.storage import open_storage
@@ -56,13 +58,17 @@ from eyas.train.data import (
     TrainSplit,
     batch_at,
     collate,
+    padded_length,
     rank_schedule,
     rank_slice,
+    split_micro_batches,
     total_steps,
 )
-from eyas.train.evaluate import EVAL_KEYS, add_stats, eval_stats, summarize_eval
+from eyas.train.evaluate import EVAL_KEYS, add_stats, summarize_eval
+from eyas.train.memory_plan import GIB, PlanShape, device_bytes, pick_micro_batch_tokens, plan_memory
 from eyas.train.metrics import emit_metrics, truncate_metrics
-from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, local_value, parallelize, reshard
+from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, parallelize, reshard
+from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, reduce_stats, train_step, use_bf16
 from eyas.train.tensorboard import TensorBoardLog
 
 
@@ -136,82 +142,6 @@ def build_setup(job: TrainJob, rank: int = 0) -> TrainSetup:
     return TrainSetup(draft=draft, head_rows=head_rows, samples=samples, fingerprint=fingerprint)
 
 
-class TTTObjective(nn.Module):
-    """The draft plus its loss, so that the wrapper's forward (DDP arms gradient sync, FSDP2 gathers the
-    parameters) runs the TTT unroll."""
-
-    def __init__(self, draft: Eagle3Draft, head_rows: torch.Tensor, num_steps: int, decay: float, bf16: bool):
-        super().__init__()
-        self.draft = draft
-        self.head_rows = head_rows  # a plain attribute: constant, neither saved nor broadcast
-        self.num_steps, self.decay, self.bf16 = num_steps, decay, bf16
-
-    def forward(self, batch: dict, eval_steps: int = 0, chain_steps: int = 0):
-        """The TTT loss; with eval_steps > 0 the held-out sums of eyas.train.evaluate.eval_stats instead."""
-        # the soft cross-entropy itself is computed in fp32 inside ttt_loss
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
-            if eval_steps:
-                return eval_stats(self.draft, batch, self.head_rows, eval_steps, chain_steps)
-            return ttt_loss(self.draft, batch, self.head_rows, self.num_steps, self.decay)
-
-
-def use_bf16(mixed_precision: str, device: torch.device) -> bool:
-    """auto: bf16 autocast on CUDA, fp32 on CPU; an explicit bf16 without CUDA is refused."""
-    if mixed_precision == "bf16" and device.type != "cuda":
-        raise ValueError(
-            f"train.mixed_precision='bf16' on {device}: bf16 autocast is for CUDA devices; use 'auto' or 'off' on CPU"
-        )
-    return device.type == "cuda" and mixed_precision != "off"
-
-
-def make_optimizer(draft: Eagle3Draft, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-
-
-def make_scheduler(optimizer, num_warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup to the peak lr over `num_warmup_steps`, then cosine decay towards 0 at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < num_warmup_steps:
-            return (step + 1) / num_warmup_steps
-        progress = (step - num_warmup_steps) / max(1, total_steps - num_warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def train_step(model: nn.Module, optimizer, scheduler, batch: dict, max_grad_norm: float) -> dict:
-    """One optimizer step; returns this rank's per-step stats (tensors) and the lr it used."""
-    optimizer.zero_grad(set_to_none=True)
-    total, losses, accs, counts = model(batch)
-    total.backward()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # FSDP2: over all shards (DTensors)
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    return {"losses": losses, "accs": accs, "counts": counts, "grad_norm": float(local_value(grad_norm)), "lr": lr}
-
-
-def reduce_stats(stats: dict, decay: float) -> dict:
-    """Token-weighted loss and accuracy per TTT step over all ranks; loss = sum_k decay^k loss_k."""
-    counts = torch.stack(stats["counts"]).float()
-    table = torch.stack([torch.stack(stats["losses"]) * counts, torch.stack(stats["accs"]) * counts, counts])
-    table = table.detach().double()  # reduced where it lies: NCCL reduces CUDA tensors only
-    if dist.is_initialized():
-        dist.all_reduce(table)
-    table = table.cpu()
-    n = table[2].clamp(min=1.0)
-    loss_k, acc_k = (table[0] / n).tolist(), (table[1] / n).tolist()
-    return {
-        "loss": sum(decay**k * v for k, v in enumerate(loss_k)),
-        "loss_k": loss_k,
-        "acc_k": acc_k,
-        "num_tokens": int(table[2, 0]),
-    }
-
-
 def log(ctx: Dist, message: str) -> None:
     if ctx.rank == 0:
         print(f"[eyas.train] {message}", flush=True)
@@ -247,6 +177,34 @@ def write_final(output_dir: Path, final: dict) -> None:
     atomic_write_text(output_dir / FINAL_FILE, json.dumps(final, indent=2) + "\n")
 
 
+def micro_batch_budget(job: TrainJob, setup: TrainSetup, ctx: Dist) -> int:
+    """train.max_tokens_per_micro_batch, or when 0 (auto) the largest budget the memory plan fits on this device."""
+    t = job.train
+    if t.max_tokens_per_micro_batch:
+        return t.max_tokens_per_micro_batch
+    shape = PlanShape(
+        arch=setup.draft.arch,
+        num_ttt_steps=t.num_ttt_steps,
+        bf16=use_bf16(t.mixed_precision, ctx.device),
+        parallelism=t.parallelism,
+        world=ctx.world,
+        checkpointing=t.activation_checkpointing,
+        encoding=setup.samples.meta.encoding,
+        longest_sample=max(job.draft.max_position_embeddings, t.num_ttt_steps + 1),
+        share_tokens=-(-t.global_batch_size // ctx.world) * max(job.draft.max_position_embeddings, t.num_ttt_steps + 1),
+    )
+    budget = device_bytes(ctx.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    tokens = pick_micro_batch_tokens(shape, budget)
+    if not tokens:
+        plan = plan_memory(shape, shape.longest_sample, budget)
+        raise MemoryError(
+            f"train.max_tokens_per_micro_batch=0 (auto): one sample of {shape.longest_sample} tokens needs "
+            f"{plan.peak_bytes / GIB:.1f} GiB on {ctx.device}, {budget / GIB:.1f} GiB available; use "
+            f"train.parallelism='fsdp2', train.activation_checkpointing, or a smaller draft.max_position_embeddings"
+        )
+    return tokens
+
+
 class Trainer:
     """One rank's training run: built from the job, resumed from the newest complete checkpoint."""
 
@@ -263,8 +221,13 @@ class Trainer:
         self.windows = self.split.windows(sample_windows(self.setup.samples, job))
         self.draft = self.setup.draft.to(ctx.device)
         bf16 = use_bf16(t.mixed_precision, ctx.device)
-        objective = TTTObjective(self.draft, self.setup.head_rows.to(ctx.device), t.num_ttt_steps, t.ttt_decay, bf16)
-        self.model = parallelize(objective, t.parallelism, ctx.device)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        self.draft.embed_tokens.to(dtype)  # frozen: held once per rank in the training dtype, never gathered
+        head_rows = self.setup.head_rows.to(ctx.device, dtype)
+        checkpointing = t.activation_checkpointing
+        objective = TTTObjective(self.draft, head_rows, t.num_ttt_steps, t.ttt_decay, bf16, checkpointing=checkpointing)
+        self.model = parallelize(objective, t.parallelism, ctx.device, bf16=bf16)
+        self.micro_batch_tokens = micro_batch_budget(job, self.setup, ctx)
         # after parallelize: under FSDP2 the optimizer holds the sharded parameters
         self.optimizer = make_optimizer(self.draft, t.lr, t.weight_decay)
         self.last_step = total_steps(len(self.setup.samples), t)
@@ -287,15 +250,26 @@ class Trainer:
             log(self.ctx, done or f"checkpoint copy {self.copy_store.url}: nothing to restore or to copy")
         dist.barrier()  # the other ranks resume from what rank 0 restored
 
-    def next_batch(self) -> tuple[int, list[int], dict]:
-        """(epoch, global batch ids, this rank's collated share) after `consumed` samples."""
+    def next_batch(self) -> tuple[int, list[int], list[dict]]:
+        """(epoch, global batch ids, this rank's share in micro-batches on the device) after `consumed` samples."""
         t = self.train_config
         epoch, positions = batch_at(self.consumed, self.num_train, t.global_batch_size, t.seed, self.windows)
         ids = [self.split.train_ids[i] for i in positions]
         mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
         # ttt_loss needs more columns than TTT steps; padding is masked out, so this changes no result.
-        batch = collate(mine, self.job.draft.max_position_embeddings, min_len=t.num_ttt_steps + 1)
-        return epoch, ids, {k: v.to(self.ctx.device) for k, v in batch.items()}
+        return epoch, ids, self.micro_batches(mine, min_len=t.num_ttt_steps + 1)
+
+    def micro_batches(self, samples: list[dict], min_len: int) -> list[dict]:
+        """Samples collated into micro-batches of at most `micro_batch_tokens` padded tokens, on the device."""
+        max_len = self.job.draft.max_position_embeddings
+        lengths = [padded_length(int(s["input_ids"].shape[0]), max_len, min_len) for s in samples]
+        return [
+            {
+                k: v.to(self.ctx.device)
+                for k, v in collate([samples[i] for i in group], max_len, min_len=min_len).items()
+            }
+            for group in split_micro_batches(lengths, self.micro_batch_tokens)
+        ]
 
     def saves_now(self) -> bool:
         return self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step
@@ -322,12 +296,11 @@ class Trainer:
                 # fewer held-out samples than ranks: a rank without one still runs the forward (FSDP2's
                 # collectives need every rank) on the batch's first sample, and counts nothing of it
                 samples = [self.setup.samples.load_sample(i) for i in mine or ids[:1]]
-                batch = collate(samples, self.job.draft.max_position_embeddings, min_len=num_steps + 1)
-                on_device = {k: v.to(self.ctx.device) for k, v in batch.items()}
-                stats = self.model(on_device, num_steps, self.job.chain_steps)
-                if not mine:
-                    stats = {k: torch.zeros_like(stats[k]) for k in EVAL_KEYS}
-                total = add_stats(total, stats)
+                for batch in self.micro_batches(samples, min_len=num_steps + 1):
+                    stats = self.model(batch, num_steps, self.job.chain_steps)
+                    if not mine:
+                        stats = {k: torch.zeros_like(stats[k]) for k in EVAL_KEYS}
+                    total = add_stats(total, stats)
         reshard(self.model)
         flat = torch.cat([total[k] for k in EVAL_KEYS]).to(self.ctx.device)
         if dist.is_initialized():
@@ -350,6 +323,7 @@ class Trainer:
             **reduce_stats(stats, t.ttt_decay),
             "lr": stats["lr"],
             "grad_norm": stats["grad_norm"],
+            "micro_batches": stats["num_micro_batches"],
             "elapsed_s": round(elapsed, 3),
             "sample_ids": ids,
         }

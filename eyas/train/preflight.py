@@ -1,10 +1,16 @@
 """Device preflight before a training launch, and the registry of processes eyas started.
 
-Before the gate: the devices the run needs are visible and idle (GPU memory in use below a
-threshold), and no process that an earlier eyas launch recorded is still alive. eyas records
-each launcher it starts (PID and kernel start time, so a reused PID is never mistaken for it)
-in `processes.json` of the train directory, and `stop_recorded` stops those and only those.
-On CPU (gloo) the preflight reports the cores and the process count and passes.
+Before the smoke run and the gate, for a CUDA (nccl) run: torch, asked in a subprocess that inherits
+CUDA_VISIBLE_DEVICES (eyas.train.devices), sees a device for every process; each device a rank uses runs bf16 when
+the run trains in bf16, is idle (memory in use below train.max_idle_gpu_memory_mib) and has the memory plan's peak
+free (eyas.train.memory_plan, planned against the smallest of them unless train.device_memory_gib is set); NCCL is
+available. On CPU (gloo) it reports the cores and the process count, and the plan. Either way no process that an
+earlier eyas launch recorded is still alive: eyas records each launcher it starts (PID and kernel start time, so a
+reused PID is never mistaken for it) in `processes.json` of the train directory, and `stop_recorded` stops those
+and only those.
+
+    report = preflight_run(config, facts)     # raises PreflightFailed listing every problem
+    report.to_dict()                          # backend, devices (torch's rows), torch, plan, problems, ok
 """
 
 from __future__ import annotations
@@ -18,9 +24,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eyas.config import RunConfig, TrainConfig
 from eyas.fsio import atomic_write_text
+from eyas.train.devices import MIB, DeviceQueryFailed, query_devices
+
+if TYPE_CHECKING:
+    from eyas.facts import RunFacts
 
 REGISTRY = "processes.json"
 
@@ -29,7 +40,9 @@ REGISTRY = "processes.json"
 class PreflightReport:
     backend: str
     num_processes: int
-    devices: list[dict] = field(default_factory=list)
+    devices: list[dict] = field(default_factory=list)  # eyas.train.devices' rows, with `used` and `busy`
+    torch: dict = field(default_factory=dict)  # torch, cuda, nccl_version, cuda_visible_devices (CUDA runs)
+    plan: dict | None = None  # MemoryPlan.to_dict() of the run on these devices; None without the run's facts
     alive_recorded: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -101,6 +114,8 @@ def parse_nvidia_smi(text: str) -> list[dict]:
 
 
 def query_gpus() -> list[dict]:
+    """Every GPU of the machine as nvidia-smi numbers them (CUDA_VISIBLE_DEVICES ignored), for `eyas status`;
+    the preflight asks torch instead (eyas.train.devices)."""
     if shutil.which("nvidia-smi") is None:
         raise FileNotFoundError("nvidia-smi not found on PATH; train.backend='nccl' needs NVIDIA GPUs and their driver")
     out = subprocess.run(
@@ -113,14 +128,13 @@ def query_gpus() -> list[dict]:
     return parse_nvidia_smi(out)
 
 
-def device_preflight(train: TrainConfig, train_dir: Path, gpus: list[dict] | None = None) -> PreflightReport:
-    """Check the devices and the process registry; `gpus` (nvidia-smi rows) is queried when None."""
+def device_preflight(train: TrainConfig, train_dir: Path, found: dict | None = None) -> PreflightReport:
+    """Check the devices and the process registry; `found` (eyas.train.devices' query) is queried when None."""
     report = PreflightReport(backend=train.backend, num_processes=train.num_processes)
     if train.backend == "gloo":
         report.devices = [{"device": "cpu", "cores": os.cpu_count(), "processes": train.num_processes}]
     else:
-        report.devices = query_gpus() if gpus is None else gpus
-        check_gpus(report, train)
+        check_gpus(report, train, found)
     report.alive_recorded = alive_recorded(train_dir)
     for entry in report.alive_recorded:
         report.problems.append(
@@ -130,31 +144,141 @@ def device_preflight(train: TrainConfig, train_dir: Path, gpus: list[dict] | Non
     return report
 
 
-def check_gpus(report: PreflightReport, train: TrainConfig) -> None:
-    visible = len(report.devices)
-    if visible < train.num_processes:
+def label(row: dict) -> str:
+    return f"{row['device']} ({row['name']})"
+
+
+def check_gpus(report: PreflightReport, train: TrainConfig, found: dict | None) -> None:
+    """The visible devices, as torch numbers them: enough of them, and each one a rank uses bf16-capable (when the
+    run trains in bf16), readable and idle; NCCL available."""
+    try:
+        found = query_devices() if found is None else found
+    except DeviceQueryFailed as err:
+        report.problems.append(str(err))
+        return
+    report.torch = {k: found[k] for k in ("torch", "cuda", "nccl_version", "cuda_visible_devices")}
+    report.devices = [{**row, "used": i < train.num_processes} for i, row in enumerate(found["devices"])]
+    if not report.devices:
+        report.problems.append(no_device_problem(found))
+        return
+    if not found["nccl_available"]:
         report.problems.append(
-            f"train.num_processes={train.num_processes} but {visible} GPU(s) are visible; expose more GPUs "
-            f"(CUDA_VISIBLE_DEVICES) or lower train.num_processes"
+            f"torch {found['torch']} reports no NCCL (torch.distributed.is_nccl_available() is False), expected for "
+            f"train.backend='nccl'; install torch's CUDA build for Linux (its wheels bundle NCCL), or use "
+            f"train.backend='gloo'"
         )
-    for row in report.devices[: train.num_processes]:
-        row["busy"] = row["memory_used_mib"] > train.max_idle_gpu_memory_mib
-        if row["busy"]:
-            report.problems.append(
-                f"{row['device']}: {row['memory_used_mib']} MiB of {row['memory_total_mib']} MiB already in use, "
-                f"expected at most train.max_idle_gpu_memory_mib={train.max_idle_gpu_memory_mib}; another job holds "
-                f"this GPU: stop it or pick other devices"
-            )
+    if len(report.devices) < train.num_processes:
+        report.problems.append(
+            f"train.num_processes={train.num_processes} but torch sees {len(report.devices)} GPU(s) "
+            f"({visible_setting(found)}): {', '.join(label(r) for r in report.devices)}; expose more GPUs with "
+            f"CUDA_VISIBLE_DEVICES or lower train.num_processes"
+        )
+    for row in report.devices:
+        row["busy"] = row["used"] and (row["memory_used_mib"] or 0) > train.max_idle_gpu_memory_mib
+        if row["used"]:
+            report.problems += device_problems(row, train, found["device_errors"].get(row["device"], ""))
+
+
+def device_problems(row: dict, train: TrainConfig, error: str) -> list[str]:
+    """What keeps a rank's device from training: bf16 unsupported, memory unreadable, or another job on it."""
+    problems = []
+    if train.mixed_precision != "off" and not row["bf16"]:  # auto and bf16 both mean bf16 autocast on CUDA
+        problems.append(
+            f"{label(row)}: compute capability {row['capability']}, expected 8.0 or higher for bf16 "
+            f"(train.mixed_precision={train.mixed_precision!r} trains in bf16 on CUDA); use bf16-capable GPUs "
+            f"(Ampere or newer: A100, H100, H200) via CUDA_VISIBLE_DEVICES, or set train.mixed_precision='off' "
+            f"(fp32: slower, and a larger memory plan)"
+        )
+    if error:
+        problems.append(
+            f"{label(row)}: torch could not read its free memory ({error}), expected a device this run can use; "
+            f"another process may hold it in exclusive mode (`nvidia-smi` shows it): stop it, or expose other GPUs "
+            f"with CUDA_VISIBLE_DEVICES"
+        )
+    elif row["busy"]:
+        problems.append(
+            f"{label(row)}: {row['memory_used_mib']} MiB of {row['memory_total_mib']} MiB already in use, expected "
+            f"at most train.max_idle_gpu_memory_mib={train.max_idle_gpu_memory_mib}; another job holds this GPU: "
+            f"stop it, or expose idle GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    return problems
+
+
+def visible_setting(found: dict) -> str:
+    value = found["cuda_visible_devices"]
+    return (
+        "CUDA_VISIBLE_DEVICES unset: every GPU of this machine" if value is None else f"CUDA_VISIBLE_DEVICES={value!r}"
+    )
+
+
+def no_device_problem(found: dict) -> str:
+    """The one problem of a CUDA run where torch sees no device, with the fix that applies."""
+    versions = f"torch {found['torch']}" + (f" (CUDA {found['cuda']})" if found["cuda"] else "")
+    reason = f": {found['unavailable_reason']}" if found["unavailable_reason"] else ""
+    if found["cuda"] is None:
+        return (
+            f"no CUDA device is visible to torch: {versions} is a CPU-only build, expected a CUDA build for "
+            f"train.backend='nccl'; install torch's CUDA build on a machine with NVIDIA GPUs, or use "
+            f"train.backend='gloo' on CPU"
+        )
+    if found["cuda_visible_devices"] is not None:
+        return (
+            f"no CUDA device is visible to {versions} with CUDA_VISIBLE_DEVICES={found['cuda_visible_devices']!r}"
+            f"{reason}; list the GPUs to train on there (their indices or UUIDs, as `nvidia-smi -L` shows them), "
+            f"or unset it"
+        )
+    return (
+        f"no CUDA device is visible to {versions}{reason}; check that `nvidia-smi` lists the GPUs and that the "
+        f"driver supports CUDA {found['cuda']}, or use train.backend='gloo' on CPU"
+    )
+
+
+def check_plan(report: PreflightReport, config: RunConfig, target) -> None:
+    """The memory plan against the devices found (the smallest a rank uses, unless train.device_memory_gib is set),
+    then each used device's free memory against the plan's peak (CUDA runs only; a CPU run's plan is recorded)."""
+    from eyas.train.memory_plan import GIB, PlanDoesNotFit, check_run_plan, plan_fixes, run_plan  # imports torch
+
+    if config.train.backend == "gloo":
+        report.plan = run_plan(config, target).to_dict()
+        return
+    used = [r for r in report.devices if r["used"]]
+    smallest = min(used, key=lambda r: r["memory_total_mib"], default=None)
+    try:
+        plan = check_run_plan(config, target, device_bytes_found=smallest["memory_total_mib"] * MIB if smallest else 0)
+    except PlanDoesNotFit as err:
+        if config.train.device_memory_gib:
+            against = f" against train.device_memory_gib={config.train.device_memory_gib:g}"
+        else:
+            against = f" against {label(smallest)}, the smallest device a rank uses" if smallest else ""
+        report.problems.append(f"memory plan{against}: {err}")
+        return
+    report.plan = plan.to_dict()
+    for row in used:
+        if row["busy"] or row["memory_free_mib"] is None or row["memory_free_mib"] * MIB >= plan.peak_bytes:
+            continue  # a busy or unreadable device already has its problem
+        fixes = plan_fixes(config, plan)
+        if config.train.device_memory_gib * GIB > row["memory_total_mib"] * MIB:
+            fixes.insert(0, f"train.device_memory_gib=0 (now {config.train.device_memory_gib:g}, more than this GPU)")
+        report.problems.append(
+            f"{label(row)}: {row['memory_free_mib'] * MIB / GIB:.1f} GiB free of {row['memory_total_mib'] * MIB / GIB:.1f} "
+            f"GiB, expected at least the memory plan's peak of {plan.peak_bytes / GIB:.1f} GiB per device (micro-batches "
+            f"of {plan.micro_batch_tokens:,} tokens); free the {row['memory_used_mib']} MiB in use, expose GPUs with "
+            f"more memory via CUDA_VISIBLE_DEVICES, or shrink the plan: " + "; ".join(fixes)
+        )
 
 
 class PreflightFailed(RuntimeError):
-    """A device the run needs is missing or busy, or an earlier launch is still running."""
+    """A device the run needs is missing, unsuitable or busy, its plan does not fit, or an earlier launch is still
+    running."""
 
 
-def preflight_run(config: RunConfig, facts=None) -> PreflightReport:
-    """The stage entry right before the gate: the run's devices and process registry; raises PreflightFailed
-    with every problem."""
-    report = device_preflight(config.train, config.paths.train_dir)
+def preflight_run(config: RunConfig, facts: RunFacts | None = None, *, found: dict | None = None) -> PreflightReport:
+    """The stage entry before the smoke run and the gate: the run's devices, its memory plan on them (given its
+    facts) and the process registry; raises PreflightFailed with every problem. `found`: the device query's
+    result (queried when None)."""
+    report = device_preflight(config.train, config.paths.train_dir, found)
+    if facts is not None:
+        check_plan(report, config, facts.target)
     if not report.ok:
         raise PreflightFailed("device preflight failed:\n" + "\n".join(f"- {p}" for p in report.problems))
     return report

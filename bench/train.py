@@ -25,8 +25,9 @@ from eyas.config import DraftConfig, TrainConfig, TrainJob
 from eyas.shards.synthetic import SyntheticSpec, write_synthetic_run
 from eyas.train.data import batch_at, collate
 from eyas.train.parallel import Dist
+from eyas.train.setup import build_setup
 from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, train_step
-from eyas.train.trainer import Trainer, build_setup
+from eyas.train.trainer import Trainer
 
 SPEC = SyntheticSpec(hidden=128, num_aux=3, vocab=2048, min_len=96, max_len=128, aux_layer_ids=(2, 4, 5))
 

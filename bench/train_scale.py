@@ -185,8 +185,9 @@ def trainer_against_bare(width: dict, length: int, steps: int) -> dict:
 
     from eyas.train.data import batch_at, collate
     from eyas.train.parallel import Dist
+    from eyas.train.setup import build_setup
     from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, train_step
-    from eyas.train.trainer import Trainer, build_setup
+    from eyas.train.trainer import Trainer
 
     if not dist.is_initialized():  # --quick measured the other cases in this process, in this group
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

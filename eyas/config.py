@@ -451,6 +451,12 @@ class SmokeConfig(StrictModel):
     num_steps: int = Field(default=40, ge=2, description="optimizer steps on the same batch")
     lr: float = Field(default=3e-3, gt=0, description="constant learning rate of the smoke run")
     min_loss_drop: float = Field(default=0.3, gt=0, lt=1, description="final loss must be below (1 - this) x first")
+    max_cpu_minutes: float = Field(
+        default=30,
+        gt=0,
+        description="a CPU run's smoke run is refused before it starts when its planned cost at this host's measured "
+        "speed exceeds this (a GPU run's smoke runs on a training GPU)",
+    )
 
 
 class ApprovalConfig(StrictModel):

@@ -48,7 +48,7 @@ def relaunch_if_progressed(task, task_run, state) -> bool:
     ),
 )
 def smoke_run(config: RunConfig, facts: RunFacts) -> dict:
-    """Overfit a handful of samples for a few dozen steps: the loss must fall before the gate."""
+    """Overfit a handful of samples for a few dozen steps (on a training GPU for a GPU run): the loss must fall."""
     result = run_smoke(config, facts)
     return {
         "first_loss": round(result.first, 4),
@@ -58,6 +58,10 @@ def smoke_run(config: RunConfig, facts: RunFacts) -> dict:
         "samples": result.num_samples,
         "tokens_per_s": result.tokens_per_s,
         "device": result.device,
+        "precision": result.precision,
+        "save_s": result.save_s,
+        "peak_bytes": result.peak_bytes,
+        "micro_batches": result.micro_batches,
         "passed": result.passed,
         "modules": result.modules,
     }

@@ -48,7 +48,8 @@ def padded_batch(arch, lengths=LENGTHS, seed=0) -> dict:
 def loss_and_grads(draft, batch, impl: str, *, checkpointing: bool = False, steps: int = 5):
     draft = copy.deepcopy(draft)
     draft.set_attention(impl)
-    head = torch.randn(draft.arch.draft_vocab_size, draft.arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    head = torch.randn(draft.arch.draft_vocab_size, draft.arch.hidden_size, generator=g).to(batch["input_ids"].device)
     total, losses, _, _ = ttt_loss(draft, batch, head, steps, 0.8, checkpointing=checkpointing)
     total.backward()
     grads = {n: p.grad for n, p in draft.named_parameters() if p.requires_grad}
@@ -154,3 +155,42 @@ def test_a_training_steps_memory_grows_linearly_in_the_sample_length_and_the_eag
         growth[impl] = (c - b) / (b - a)
     assert growth["fused"] <= 2.2, growth
     assert growth["eager"] >= 2.6, growth
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_causal_attention_on_cuda_matches_the_float64_softmax(dtype, tolerance):
+    """CUDA: FlashAttention-2 in bf16 (with the D-trick's padded backward), the blockwise path in fp32; out, lse
+    and the gradients of q, k, v against a float64 materialized softmax."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape_q, shape_kv = (2, 8, 300, 128), (2, 4, 300, 128)
+    q = torch.randn(shape_q, generator=g, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(shape_kv, generator=g, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    scale = 128**-0.5
+    scores = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(300, 300, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    ref_out, ref_lse = torch.softmax(scores, -1) @ v64.repeat_interleave(2, 1), torch.logsumexp(scores, -1)
+    grad_out = torch.randn(ref_out.shape, generator=g, device="cuda", dtype=torch.float64)
+    grad_lse = torch.randn(ref_lse.shape, generator=g, device="cuda", dtype=torch.float64)
+    ref = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), (q64, k64, v64))
+    out, lse = causal_attention(q, k, v, scale)
+    got = torch.autograd.grad((out.double() * grad_out).sum() + (lse.double() * grad_lse).sum(), (q, k, v))
+    assert relative_error(out.double(), ref_out) < tolerance and relative_error(lse.double(), ref_lse) < tolerance
+    for name, a, b in zip("qkv", got, ref):
+        assert relative_error(a.double(), b) < tolerance, name
+
+
+@pytest.mark.gpu
+def test_the_bf16_training_loss_on_cuda_follows_the_fp32_one():
+    """The whole TTT loss and its gradients under bf16 autocast (fused attention) against fp32 (eager) on CUDA."""
+    arch = replace(ARCH, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    d2t, t2d = vocab_mapping(arch)
+    draft = build_draft(arch, torch.randn(arch.target_vocab_size, arch.hidden_size), d2t, t2d).cuda()
+    batch = {k: v.cuda() for k, v in padded_batch(arch).items()}
+    eager_total, _, eager_grads = loss_and_grads(draft, batch, "eager")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        total, _, grads = loss_and_grads(draft, batch, "fused")
+    assert relative_error(total, eager_total) < 2e-2
+    worst = max(grads, key=lambda n: relative_error(grads[n], eager_grads[n]))
+    assert relative_error(grads[worst], eager_grads[worst]) < 1e-1, worst

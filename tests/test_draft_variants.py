@@ -282,7 +282,7 @@ def test_a_two_layer_draft_trains_exports_as_a_stack_and_is_refused_where_it_wou
     from eyas.export.inspect import inspect_drafter
     from eyas.export.remap import remap_checkpoint
     from eyas.train.checkpoint import latest_complete
-    from eyas.train.smoke import module_table
+    from eyas.train.modules import module_table
 
     run = write_tiny_run(tmp_path / "run", num_samples=16)
     job = tiny_job(run, tmp_path / "out", max_steps=4, save_every_steps=4, num_processes=1)

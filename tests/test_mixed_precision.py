@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eyas.train.trainer import use_bf16
+from eyas.train.step import use_bf16
 
 
 def test_auto_is_fp32_on_cpu_and_bf16_on_cuda():

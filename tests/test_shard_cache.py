@@ -32,7 +32,7 @@ from eyas.storage.s3 import S3Storage
 from eyas.train.checkpoint import latest_complete
 from eyas.train.data import ShardWindows, global_order
 from eyas.train.metrics import METRIC_PREFIX
-from eyas.train.trainer import CACHE_DIR
+from eyas.train.setup import CACHE_DIR
 
 NUM_SHARDS, PER_SHARD = 20, 2
 STEPS = 20  # 2 epochs of 40 samples, 4 a step

@@ -18,7 +18,8 @@ from eyas.train.__main__ import main
 from eyas.train.checkpoint import latest_complete, load_draft
 from eyas.train.data import batch_at, collate, total_steps
 from eyas.train.metrics import METRIC_PREFIX
-from eyas.train.trainer import build_setup, make_scheduler
+from eyas.train.setup import build_setup
+from eyas.train.step import make_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES, BATCH, STEPS = 32, 8, 6

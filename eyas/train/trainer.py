@@ -27,21 +27,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from eyas.config import TrainJob
-from eyas.dataset.vocab import load_vocab
-from eyas.draft import DraftArch, Eagle3Draft, build_draft
 from eyas.fsio import atomic_write_text
-from eyas.shards.reader import ShardSamples
-from eyas.storage import open_storage
-from eyas.target import load_embed_and_lm_head, target_fingerprint
 from eyas.train.checkpoint import (
     FINAL_FILE,
     latest_complete,
@@ -53,8 +46,6 @@ from eyas.train.checkpoint import (
 )
 from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
 from eyas.train.data import (
-    UNIFORM,
-    ShardWindows,
     TrainSplit,
     batch_at,
     collate,
@@ -65,81 +56,11 @@ from eyas.train.data import (
     total_steps,
 )
 from eyas.train.evaluate import EVAL_KEYS, add_stats, summarize_eval
-from eyas.train.memory_plan import GIB, PlanShape, device_bytes, pick_micro_batch_tokens, plan_memory
 from eyas.train.metrics import emit_metrics, truncate_metrics
 from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, parallelize, reshard
+from eyas.train.setup import TrainSetup, build_setup, micro_batch_budget, sample_windows
 from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, reduce_stats, train_step, use_bf16
 from eyas.train.tensorboard import TensorBoardLog
-
-
-@dataclass
-class TrainSetup:
-    """A fresh draft and everything a step needs, checked against the shards and the target."""
-
-    draft: Eagle3Draft
-    head_rows: torch.Tensor  # the target lm_head rows of the draft vocab [Vd, H]
-    samples: ShardSamples
-    fingerprint: str
-
-
-def _check_shards(samples: ShardSamples, job: TrainJob, hidden_size: int, fingerprint: str) -> None:
-    meta = samples.meta
-    found = (meta.target_fingerprint, list(meta.aux_layer_ids), meta.hidden_size, meta.num_aux)
-    expected = (fingerprint, job.aux_layer_ids, hidden_size, len(job.aux_layer_ids))
-    if found != expected:
-        raise ValueError(
-            f"shards {job.shards_dir}: (target_fingerprint, aux_layer_ids, hidden_size, num_aux) = {found}, "
-            f"expected {expected} from the target {job.target_path} and the job; the shards were extracted "
-            f"from another target or with other layers; re-extract or fix the job"
-        )
-
-
-CACHE_DIR = "shard-cache"
-
-
-def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
-    """The job's shards: the local directory, or (train.cache_bytes > 0) its storage through rank's cache."""
-    t = job.train
-    if not t.cache_bytes:
-        return ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=t.verify_reads)
-    return ShardSamples(
-        open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url),
-        max_samples=job.max_samples,
-        cache_dir=Path(job.output_dir) / CACHE_DIR / f"rank-{rank}",
-        cache_bytes=t.cache_bytes,
-        log=lambda message: print(f"[eyas.train] rank {rank}: {message}", flush=True),
-    )
-
-
-def sample_windows(samples: ShardSamples, job: TrainJob) -> ShardWindows:
-    """The order's shard windows (train.shuffle_window_shards; UNIFORM when 0)."""
-    size = job.train.shuffle_window_shards
-    return ShardWindows(samples.shard_starts(), size) if size else UNIFORM
-
-
-def build_setup(job: TrainJob, rank: int = 0) -> TrainSetup:
-    """A fresh draft for the job, its shards opened and checked against the target and the job."""
-    samples = open_samples(job, rank)
-    embed, lm_head = load_embed_and_lm_head(job.target_path)
-    d2t, t2d, _ = load_vocab(job.vocab_path)
-    vocab, hidden = embed.shape
-    if lm_head.shape != embed.shape or t2d.numel() != vocab:
-        raise ValueError(
-            f"target {job.target_path}: embed {list(embed.shape)}, lm_head {list(lm_head.shape)}, vocab t2d "
-            f"[{t2d.numel()}]; expected equal shapes and t2d over the target vocab; rebuild the vocab for this target"
-        )
-    fingerprint = target_fingerprint(job.target_path)
-    _check_shards(samples, job, hidden, fingerprint)
-    arch = DraftArch(
-        hidden_size=hidden,
-        num_aux=len(job.aux_layer_ids),
-        target_vocab_size=vocab,
-        draft_vocab_size=d2t.numel(),
-        **job.draft.arch_fields(),  # the layer's shape and the variant's options
-    )
-    draft = build_draft(arch, embed, d2t, t2d, seed=job.train.seed)
-    head_rows = lm_head[torch.arange(d2t.numel()) + d2t].float()
-    return TrainSetup(draft=draft, head_rows=head_rows, samples=samples, fingerprint=fingerprint)
 
 
 def log(ctx: Dist, message: str) -> None:
@@ -177,34 +98,6 @@ def write_final(output_dir: Path, final: dict) -> None:
     atomic_write_text(output_dir / FINAL_FILE, json.dumps(final, indent=2) + "\n")
 
 
-def micro_batch_budget(job: TrainJob, setup: TrainSetup, ctx: Dist) -> int:
-    """train.max_tokens_per_micro_batch, or when 0 (auto) the largest budget the memory plan fits on this device."""
-    t = job.train
-    if t.max_tokens_per_micro_batch:
-        return t.max_tokens_per_micro_batch
-    shape = PlanShape(
-        arch=setup.draft.arch,
-        num_ttt_steps=t.num_ttt_steps,
-        bf16=use_bf16(t.mixed_precision, ctx.device),
-        parallelism=t.parallelism,
-        world=ctx.world,
-        checkpointing=t.activation_checkpointing,
-        encoding=setup.samples.meta.encoding,
-        longest_sample=max(job.draft.max_position_embeddings, t.num_ttt_steps + 1),
-        share_tokens=-(-t.global_batch_size // ctx.world) * max(job.draft.max_position_embeddings, t.num_ttt_steps + 1),
-    )
-    budget = device_bytes(ctx.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    tokens = pick_micro_batch_tokens(shape, budget)
-    if not tokens:
-        plan = plan_memory(shape, shape.longest_sample, budget)
-        raise MemoryError(
-            f"train.max_tokens_per_micro_batch=0 (auto): one sample of {shape.longest_sample} tokens needs "
-            f"{plan.peak_bytes / GIB:.1f} GiB on {ctx.device}, {budget / GIB:.1f} GiB available; use "
-            f"train.parallelism='fsdp2', train.activation_checkpointing, or a smaller draft.max_position_embeddings"
-        )
-    return tokens
-
-
 class Trainer:
     """One rank's training run: built from the job, resumed from the newest complete checkpoint."""
 
@@ -232,7 +125,10 @@ class Trainer:
         self.optimizer = make_optimizer(self.draft, t.lr, t.weight_decay)
         self.last_step = total_steps(len(self.setup.samples), t)
         self.scheduler = make_scheduler(self.optimizer, t.num_warmup_steps, self.last_step)
+        restore_start = time.monotonic()
         state = resume(job, self.setup, self.optimizer, self.scheduler, ctx)
+        if state["checkpoint"]:
+            log(ctx, f"checkpoint restored in {time.monotonic() - restore_start:.1f} s")
         self.step, self.consumed, self.loss = state["step"], state["samples_consumed"], state["loss"]
         self.last_eval, self.tokens_seen = state.get("eval"), 0
         if ctx.rank == 0:  # the steps after the checkpoint are trained again: their old records go
@@ -246,8 +142,10 @@ class Trainer:
     def sync_copy(self) -> None:
         """Rank 0 restores the copy's newest checkpoint (or copies the local newest) while the others wait."""
         if self.copy_store is not None:
+            started = time.monotonic()
             done = sync_at_start(self.copy_store, self.output_dir, self.train_config.num_checkpoints_kept)
-            log(self.ctx, done or f"checkpoint copy {self.copy_store.url}: nothing to restore or to copy")
+            seconds = f" ({time.monotonic() - started:.1f} s)"
+            log(self.ctx, (done or f"checkpoint copy {self.copy_store.url}: nothing to restore or to copy") + seconds)
         dist.barrier()  # the other ranks resume from what rank 0 restored
 
     def next_batch(self) -> tuple[int, list[int], list[dict]]:
@@ -351,6 +249,7 @@ class Trainer:
         model_state = full_model_state(self.draft)
         optimizer_state = full_optimizer_state(self.draft, self.optimizer)
         if self.ctx.rank == 0:
+            started = time.monotonic()
             trainer_state = {
                 "samples_consumed": self.consumed,
                 "epoch": epoch,
@@ -372,12 +271,21 @@ class Trainer:
                 target_fingerprint=self.setup.fingerprint,
                 keep_last=t.num_checkpoints_kept,
             )
-            self.checkpoint = str(path)
+            self.checkpoint, written = str(path), time.monotonic()
             if self.copy_store is not None:
                 copy_checkpoint(self.copy_store, path)
                 rotate_copies(self.copy_store, t.num_checkpoints_kept)
+            self.log_save(path, written - started, time.monotonic() - written)
             self.log_cache()
         dist.barrier()
+
+    def log_save(self, path: Path, write_s: float, copy_s: float) -> None:
+        """How long the other ranks waited for rank 0's save, against the collective timeout they wait under."""
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        copied = f", copied in {copy_s:.1f} s" if self.copy_store is not None else ""
+        timeout = self.train_config.collective_timeout_s
+        risk = " (over half of train.collective_timeout_s: raise it)" if write_s + copy_s > timeout / 2 else ""
+        log(self.ctx, f"checkpoint {path.name}: {size / 2**30:.2f} GiB written in {write_s:.1f} s{copied}{risk}")
 
     def log_cache(self) -> None:
         cache = self.setup.samples.cache

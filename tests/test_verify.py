@@ -16,6 +16,7 @@ from eyas.config import ExtractConfig
 from eyas.facts import facts_for
 from eyas.shards.format import load_shard, shard_filename, write_shard
 from eyas.shards.manifest import read_manifest, write_manifest
+from eyas.verify import workers
 from eyas.verify.report import write_verify_report
 from eyas.verify.shard_set import (
     ShardVerificationError,
@@ -256,6 +257,20 @@ def test_truncated_file_is_flagged(shards, extracted):
     path.write_bytes(path.read_bytes()[:-100])
     reason = _bad_reasons(_verify(shards, extracted, "cheap"))["shard-00000.safetensors"]
     assert "bytes, the manifest says" in reason and "(truncated or overwritten)" in reason
+
+
+@pytest.mark.skipif(workers.usable_cores() < 2 or not workers.can_fork(), reason="needs 2 cores and fork")
+def test_cheap_mode_on_processes_reports_what_one_thread_reports(shards, extracted, monkeypatch):
+    path = shards / shard_filename(0)
+    path.write_bytes(path.read_bytes()[:-100])
+    one_thread = _verify(shards, extracted, "cheap", num_workers=1)
+    monkeypatch.setattr(workers, "PROCESS_MIN_S", 0.0)  # few shards: processes only when told there is work
+    monkeypatch.setattr(workers, "FIRST_BATCH", 1)
+    on_processes = _verify(shards, extracted, "cheap", num_workers=2)
+    assert (one_thread.workers, on_processes.workers) == ("one thread", "2 processes")
+    strip = [(r.file, r.status, r.checks_passed, r.reason, r.num_bytes) for r in one_thread.rows]
+    assert [(r.file, r.status, r.checks_passed, r.reason, r.num_bytes) for r in on_processes.rows] == strip
+    assert not one_thread.ok and one_thread.problems == on_processes.problems
 
 
 def test_input_ids_differing_from_dataset_are_flagged(shards, extracted):

@@ -159,11 +159,15 @@ def write_shard(where: "str | Path | Storage", tensors: dict[str, torch.Tensor],
     )
 
 
+def shard_names(shards_dir: Path) -> list[str]:
+    """The names of the `*.safetensors` files in the directory (not temporaries, not the quarantine), sorted."""
+    with os.scandir(shards_dir) as entries:
+        return sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())
+
+
 def shard_files(shards_dir: Path) -> list[Path]:
     """The `*.safetensors` files in the directory (not temporaries, not the quarantine), sorted."""
-    with os.scandir(shards_dir) as entries:
-        names = sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())
-    return [Path(shards_dir) / n for n in names]
+    return [Path(shards_dir) / n for n in shard_names(shards_dir)]
 
 
 def read_shard_layout(path: Path) -> tuple[ShardMeta, dict[str, tuple[str, tuple[int, ...]]]]:

@@ -34,6 +34,7 @@ class VerifyReport:
     rows: list[ShardReportRow]
     problems: list[str] = field(default_factory=list)  # directory-level: coverage, dataset identity
     seconds: float = 0.0
+    workers: str = ""  # what checked the shards: "one thread", "2 threads", "2 processes" (eyas.verify.workers)
 
     @property
     def ok(self) -> bool:

@@ -7,8 +7,9 @@
 
 Cheap mode reads headers, metadata, sizes, offsets and the manifest; full mode also reads every byte
 once (checksum and finiteness in the same streamed pass, see eyas.verify.checks) and compares
-`input_ids` and `loss_mask` with the tokenized dataset. Shards are checked in parallel threads
-(hashlib, numpy and file reads release the GIL). Each shard stops at its first failing check, which
+`input_ids` and `loss_mask` with the tokenized dataset. Shards are checked in parallel: on threads where
+reads, hashing and numpy release the GIL (full mode, or cheap mode over S3), on one thread or forked
+processes where parsing headers holds it (cheap mode over local files), measured (eyas.verify.workers). Each shard stops at its first failing check, which
 becomes its reason (eyas.verify.report). Quarantine moves bad shards aside with their reasons; the
 next extraction run re-extracts them.
 """
@@ -19,7 +20,6 @@ import contextlib
 import os
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -29,7 +29,7 @@ from eyas.config import RunConfig
 from eyas.dataset.table import TokenizedDataset, read_dataset_hash, sample_lengths
 from eyas.facts import RunFacts
 from eyas.shards.encoding import ShardEncoding, extract_encoding
-from eyas.shards.format import SHARD_NAME_RE, shard_files
+from eyas.shards.format import SHARD_NAME_RE, shard_names
 from eyas.shards.manifest import ManifestRow, coverage_problems, drop_manifest_rows, read_manifest
 from eyas.shards.shard_set import quarantine_shards
 from eyas.storage import Storage, as_storage
@@ -45,6 +45,7 @@ from eyas.verify.checks import (
     VerifyContext,
 )
 from eyas.verify.report import ShardReportRow, VerifyReport, failed_check, write_verify_report
+from eyas.verify.workers import run_batches
 
 DEFAULT_CHUNK_BYTES = 512 << 10  # fits a core's L2 cache: read once from memory, then hashed and tested in cache
 
@@ -121,8 +122,9 @@ def verify_shards(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[dict], None] | None = None,
 ) -> VerifyReport:
-    """Verify every manifest row and every shard file in `shards_dir` on `num_workers` threads
-    (0 = one per core), reading at most `chunk_bytes` per thread at a time; never raises for bad shards.
+    """Verify every manifest row and every shard file in `shards_dir` on at most `num_workers` workers (0 = one
+    per usable core; threads or processes, eyas.verify.workers), each reading at most `chunk_bytes` at a time;
+    never raises for bad shards.
 
     `shards_dir` may be a storage without a local path (S3): cheap mode then reads each header and the small
     tensors it checks by range requests; full mode streams each shard into a temporary file (one per thread,
@@ -147,7 +149,7 @@ def verify_shards(
     by_file = {r.file: r for r in manifest}
     with contextlib.ExitStack() as stack:
         if store.local_path() is not None:
-            files = sorted({p.name for p in shard_files(shards_dir)} | set(by_file))
+            files = sorted(set(shard_names(shards_dir)) | set(by_file))
 
             def opener_of(name: str) -> Callable[[], FileBytes | RangeBytes]:
                 return lambda: FileBytes(os.path.join(shards_dir, name))
@@ -162,15 +164,13 @@ def verify_shards(
         def batch(names: list[str]) -> list[ShardReportRow]:
             return [verify_shard(row=by_file.get(n), ctx=ctx, mode=mode, name=n, opener=opener_of(n)) for n in names]
 
-        workers = num_workers or os.cpu_count() or 1
-        # contiguous batches, several per thread: few hand-offs for tiny shards, balanced for big ones
-        size = max(1, min(64, len(files) // (4 * workers)))
-        rows: list[ShardReportRow] = []
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-            for done in pool.map(batch, [files[i : i + size] for i in range(0, len(files), size)]):
-                rows += done
-                if progress is not None:
-                    progress({"shards_done": len(rows), "shards_total": len(files), "bad": len(rows) - _num_ok(rows)})
+        def on_batch(rows: list[ShardReportRow]) -> None:
+            if progress is not None:
+                progress({"shards_done": len(rows), "shards_total": len(files), "bad": len(rows) - _num_ok(rows)})
+
+        # only cheap mode over local files holds the GIL (eyas.verify.workers)
+        holds_gil = mode == "cheap" and store.local_path() is not None
+        rows, workers = run_batches(batch, files, holds_gil=holds_gil, num_workers=num_workers, on_batch=on_batch)
     problems = coverage_problems(manifest, len(lengths), where=store.url)
     dataset_hash = read_dataset_hash(tokenized_path)
     if dataset_hash != expected.dataset_hash:
@@ -178,7 +178,7 @@ def verify_shards(
             f"tokenized dataset {tokenized_path}: content hash {dataset_hash!r}, expected "
             f"{expected.dataset_hash!r}; verify against the dataset the run extracted from"
         )
-    return VerifyReport(mode=mode, rows=rows, problems=problems, seconds=time.perf_counter() - t0)
+    return VerifyReport(mode=mode, rows=rows, problems=problems, seconds=time.perf_counter() - t0, workers=workers)
 
 
 def _remote_opener(store: Storage, name: str, listing: dict[str, int], mode: str, spool: str):

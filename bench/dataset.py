@@ -1,6 +1,6 @@
 """Regeneration through a served engine: eyas's path against the same server driven directly, and the resume plan.
 
-    .venv/bin/python bench/dataset.py [--num-prompts 64 --max-new-tokens 16 --in-flight 8 --log-records 40000]
+    .venv/bin/python bench/dataset.py [--num-prompts 64 --max-new-tokens 16 --in-flight 8 --log-records 40000] [--quick]
 
 A generation double (tests/generation_double.py: the tiny target's greedy answers over SGLang's /generate)
 is started once. The same prompts are then answered both ways, `--repeats` rounds alternated (the best
@@ -10,7 +10,8 @@ round of each counts), each with `--in-flight` requests in flight:
   answer checked, appended to the checksummed log and fsynced every second, accounting).
 `served_ratio` = eyas's tokens/s / direct tokens/s (goal >= 0.9). `resume_plan_s` is the time a re-run takes
 to read a log of `--log-records` answered records (300 tokens each) and find the prompts still missing
-(goal < 2 s). The last line is one JSON object with the figures.
+(goal < 2 s). The last line is one JSON object with the figures. `--quick` (for the test suite): 4 prompts of 4 new
+tokens, a log of 400 records, one round.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--log-records", type=int, default=40_000)
     ap.add_argument("--repeats", type=int, default=2, help="rounds of each path, alternated; the best counts")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one round: seconds, the same code path")
     args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.max_new_tokens, args.in_flight, args.log_records, args.repeats = 4, 4, 2, 400, 1
     target = REPO / "fixtures" / "tiny-target"
     prompts = [json.loads(line) for line in (target / "prompts.jsonl").read_text().splitlines()][: args.num_prompts]
     from eyas.dataset.prompts import prompt_token_ids

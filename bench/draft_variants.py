@@ -13,15 +13,19 @@ target's longest position (512): the long-context drift EAGLE 3.1's norms are fo
 (population sd over the seeds) of both. The last line is one JSON object with `tau_by_variant`,
 `tau_long_by_variant` (means), `best_variant` (highest mean tau) and `beats_demo` (whether it is above the demo
 preset's draft, its variant with one layer, by more than the larger of the two spreads). Takes 30-50 minutes on 2
-cores; not part of CI. Work goes to --workdir (default runs/draft-variants).
+cores. Work goes to --workdir (default runs/draft-variants). `--quick`: seconds, the same code path (eagle3 and the
+demo's variant, one seed, 4 training steps, 2 prompts and one long one to position 96; a temporary workdir), for
+the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,17 +33,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from measure import demo_config, extract_variant, extracted_aux_ids, prepare, train_and_measure  # noqa: E402
+from measure import (  # noqa: E402
+    demo_config,
+    extract_variant,
+    extracted_aux_ids,
+    prepare,
+    quick_config,
+    train_and_measure,
+)
 
 from eyas.config import DRAFT_VARIANTS, TrainJob  # noqa: E402
 
 SERVED_BY = "0.5.23"  # an SGLang release that runs every variant (eyas.export.serving)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=str(REPO / "deployments" / "tiny-cpu.json"))
-    p.add_argument("--workdir", default=str(REPO / "runs" / "draft-variants"))
+    p.add_argument("--workdir", default=None, help="default runs/draft-variants (kept); with --quick a temporary one")
     p.add_argument("--variants", nargs="+", default=list(DRAFT_VARIANTS), choices=list(DRAFT_VARIANTS))
     p.add_argument("--num-epochs", type=int, default=6)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -47,20 +58,44 @@ def main() -> int:
     p.add_argument("--num-long-prompts", type=int, default=12)
     p.add_argument("--stacks", nargs="*", default=["eagle3:2"], help="VARIANT:NUM_LAYERS rows")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--long-position", type=int, default=0, help="tau_long continues to here; 0 = the target's longest")
+    p.add_argument("--quick", action="store_true", help="seconds, the same code path (see above)")
     args = p.parse_args()
-    base = demo_config(args.preset, args.workdir, sglang_version=SERVED_BY)
-    args.demo = (
-        base.draft.variant if base.draft.num_layers == 1 else f"{base.draft.variant}-{base.draft.num_layers}layers"
-    )
-    rows_of = {v: (v, 1) for v in args.variants}
     for stack in args.stacks:
         variant, _, layers = stack.partition(":")
         if variant not in DRAFT_VARIANTS or not layers.isdigit() or int(layers) < 2:
             p.error(f"--stacks {stack}: expected VARIANT:N with VARIANT in {list(DRAFT_VARIANTS)} and N >= 2")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    workdir = args.workdir or (
+        tempfile.mkdtemp(prefix="eyas-bench-variants-") if args.quick else str(REPO / "runs" / "draft-variants")
+    )
+    try:
+        return measure_variants(args, workdir)
+    finally:
+        if args.quick and not args.workdir:
+            shutil.rmtree(workdir)
+
+
+def measure_variants(args: argparse.Namespace, workdir: str) -> int:
+    base = demo_config(args.preset, workdir, sglang_version=SERVED_BY)
+    args.demo = (
+        base.draft.variant if base.draft.num_layers == 1 else f"{base.draft.variant}-{base.draft.num_layers}layers"
+    )
+    if args.quick:
+        base = quick_config(base)
+        args.variants, args.stacks, args.seeds = list(dict.fromkeys(["eagle3", base.draft.variant])), [], [0]
+        args.num_prompts, args.num_long_prompts, args.long_position = base.bench.num_prompts, 1, 96
+    rows_of = {v: (v, 1) for v in args.variants}
+    for stack in args.stacks:
+        variant, _, layers = stack.partition(":")
         rows_of[f"{variant}-{layers}layers"] = (variant, int(layers))
     t0 = time.perf_counter()
     prepare(base)
-    shards = Path(args.workdir) / "shards"
+    shards = Path(workdir) / "shards"
     extract_variant(base, shards)
     aux_ids = extracted_aux_ids(shards)
     futures = {}
@@ -68,7 +103,7 @@ def main() -> int:
         for row, (variant, num_layers) in rows_of.items():
             for seed in args.seeds:
                 train = base.train.model_copy(update={"num_processes": 1, "seed": seed, "num_epochs": args.num_epochs})
-                out = Path(args.workdir) / "train" / f"{row}-seed{seed}"
+                out = Path(workdir) / "train" / f"{row}-seed{seed}"
                 draft = base.draft.model_copy(update={"variant": variant, "num_layers": num_layers})
                 job = TrainJob(target_path=base.target.model_path, shards_dir=str(shards),
                                vocab_path=str(base.paths.vocab), output_dir=str(out), aux_layer_ids=aux_ids,
@@ -76,6 +111,7 @@ def main() -> int:
                 futures[(row, seed)] = pool.submit(
                     train_and_measure, job.model_dump_json(), str(out / "export"), base.bench.prompts_path,
                     args.num_prompts, sglang_version=SERVED_BY, num_long_prompts=args.num_long_prompts,
+                    long_position=args.long_position,
                 )  # fmt: skip
         rows: dict[str, dict[str, list[float]]] = {row: {"tau": [], "tau_long": []} for row in rows_of}
         for (variant, seed), fut in futures.items():

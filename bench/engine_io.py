@@ -1,6 +1,6 @@
 """Client cost per token of the two ways eyas can take hidden states from SGLang: capture files against JSON.
 
-    .venv/bin/python bench/engine_io.py [--tokens 512 --hidden-size 7168 --num-aux 3 --repeats 3]
+    .venv/bin/python bench/engine_io.py [--tokens 512 --hidden-size 7168 --num-aux 3 --repeats 3] [--quick]
 
 One sample of `--tokens` tokens at the width of the run eyas exists for (Kimi-K2.5: H = 7168, 3 aux layers),
 bfloat16 as the server computes it, is handed to the client both ways, and the client's work is timed
@@ -16,7 +16,7 @@ bfloat16 as the server computes it, is handed to the client both ways, and the c
 `projected_hours_87m` is the capture path's client time for the 87.8M tokens of that run (one core);
 `json_projected_hours_87m` the JSON path's. `json_python_gib_per_4096` is the Python floats one 4,096-token
 answer holds while it is parsed (measured with tracemalloc at --tokens, scaled). The last line is one JSON
-object with the figures; goal: capture_ms_per_token <= 0.1.
+object with the figures; goal: capture_ms_per_token <= 0.1. `--quick` (for the test suite): 64 tokens at H 1024, once.
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--hidden-size", type=int, default=7168)
     ap.add_argument("--num-aux", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="64 tokens at H 1024, once: seconds, the same code path")
     args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.hidden_size, args.repeats = 64, 1024, 1
     t, h, n = args.tokens, args.hidden_size, args.num_aux
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 150_000, (t,), generator=gen)

@@ -1,6 +1,6 @@
 """Extraction speed against a bare forward loop, and the time to plan a resume over 40,000 shards.
 
-    .venv/bin/python bench/extract.py [--hidden 512 --layers 8 --num-samples 48 --tokens 192 --repeats 3]
+    .venv/bin/python bench/extract.py [--hidden 512 --layers 8 --num-samples 48 --tokens 192 --repeats 3] [--quick]
 
 Throughput: a random Llama (built here, no download) of `--hidden` x `--layers` is saved as a Hugging
 Face directory; the same samples are (1) run through a bare loop of `model(input_ids,
@@ -15,7 +15,8 @@ Resume plan: a manifest of 40,000 shards (2 samples each, sparse files of the li
 `resume_plan_s` is the time to compute the shard plan from the sample lengths and the resume plan
 (run parameters checked, interrupted writes looked for, manifest read and checked against the plan
 and the directory listing), best of `--repeats` (goal < 2 s).
-The last line is one JSON object with the figures.
+The last line is one JSON object with the figures. `--quick` (for the test suite): H 64, 8 samples of at most 32
+tokens, 400 resume shards, once each.
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def bench_resume_plan(root: Path, num_shards: int, repeats: int) -> dict:
         dataset_hash="bench",
         shard_bytes=shard_bytes,
         num_shards=num_shards,
+        aux_dtype="bfloat16",
+        teacher="last_hidden",
+        teacher_topk=0,
     )
     store = LocalStorage(shards)
     check_run_meta(store, run)  # records extract.json, as the first run would
@@ -194,7 +198,10 @@ def main() -> None:
     parser.add_argument("--num-resume-shards", type=int, default=40_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, once each: seconds, the same code path")
     args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.num_samples, args.tokens, args.num_resume_shards, args.repeats = 64, 8, 32, 400, 1
     torch.set_num_threads(os.cpu_count() or 1)
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-extract-", dir=args.dir))
     g = torch.Generator().manual_seed(1)

@@ -1,6 +1,6 @@
-"""What the training benchmarks share (bench/shard_bytes.py, bench/draft_variants.py): the demo's dataset built
-once, shards extracted into a directory, one training on one process with its export and its tau on the
-reference engine."""
+"""What the pipeline benchmarks share (bench/shard_bytes.py, bench/draft_variants.py, bench/orchestration.py): the
+demo's dataset built once, shards extracted into a directory, one training on one process with its export and its
+tau on the reference engine, and the quick modes' cut of the demo preset."""
 
 from __future__ import annotations
 
@@ -24,6 +24,22 @@ def demo_config(preset: str, workdir: str, **export) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
+def quick_config(config: RunConfig) -> RunConfig:
+    """The preset cut to seconds for a bench's --quick (the same stages and code paths): 12 prompts answered with
+    12 new tokens, 4 training steps of 8 samples on one process, a smoke run of 10 steps on 2 samples, 2 benchmark
+    prompts of 8 new tokens, no tau floor."""
+    return config.model_copy(
+        update={
+            "dataset": config.dataset.model_copy(update={"num_samples": 12, "max_new_tokens": 12}),
+            "train": config.train.model_copy(
+                update={"num_processes": 1, "max_steps": 4, "global_batch_size": 8, "eval_fraction": 0.0}
+            ),
+            "smoke": config.smoke.model_copy(update={"num_samples": 2, "num_steps": 10, "min_loss_drop": 0.05}),
+            "bench": config.bench.model_copy(update={"num_prompts": 2, "max_new_tokens": 8, "min_tau": 0.0}),
+        }
+    )
+
+
 def extracted_aux_ids(shards: Path) -> list[int]:
     """The canonical aux layer ids the shards in `shards` were extracted at (their extract.json)."""
     from eyas.shards.shard_set import read_run_meta
@@ -39,10 +55,12 @@ def reference_tau(
     *,
     max_new_tokens: int = 64,
     to_the_end: bool = False,
+    longest: int = 0,
 ) -> float:
     """tau of the exported draft on the reference engine (steps 3, chain, `max_new_tokens`), pooled over the
     prompts: what eyas.bench.acceptance.run_benchmark reports as tau_mean, without its baselines. `to_the_end`:
-    each prompt continued past end-of-sequence to the target's longest position (max_position_embeddings)."""
+    each prompt continued past end-of-sequence to the target's longest position (max_position_embeddings), or to
+    `longest` when that is lower and not 0."""
     from eyas.bench.acceptance import encode_prompts
     from eyas.bench.reference import load_target_float64, pooled_tau, reference_decode
     from eyas.dataset.prompts import read_prompts
@@ -52,7 +70,8 @@ def reference_tau(
     model = load_target_float64(target_path)
     draft = load_exported_draft(export_dir, embed_weight(model))
     prompts = encode_prompts([r["conversations"] for r in read_prompts(prompts_path, num_prompts)], target_path)
-    longest = model.config.max_position_embeddings - 3 - 1  # room for the last round's drafted tokens
+    longest = min(longest or model.config.max_position_embeddings, model.config.max_position_embeddings) - 3 - 1
+    # (room for the last round's drafted tokens)
     results = [
         reference_decode(model, draft, ids, max_new_tokens=longest - len(ids) if to_the_end else max_new_tokens,
                          eos_token_id=None if to_the_end else model.config.eos_token_id,
@@ -70,11 +89,12 @@ def train_and_measure(
     *,
     sglang_version: str | None = None,
     num_long_prompts: int = 0,
+    long_position: int = 0,
 ) -> dict:
     """One training on one process, its export (for SGLang >= `sglang_version`; a stack of draft layers in format
     sglang-0.5.12) and its tau; with
-    `num_long_prompts`, also tau_long over that many prompts continued to the target's longest position (runs in a
-    worker process; its output goes to OUTPUT_DIR/train.log)."""
+    `num_long_prompts`, also tau_long over that many prompts continued to the target's longest position (or to
+    `long_position` when lower and not 0; runs in a worker process; its output goes to OUTPUT_DIR/train.log)."""
     import contextlib
 
     import torch
@@ -103,7 +123,8 @@ def train_and_measure(
     tau = reference_tau(job.target_path, export_dir, prompts_path, num_prompts)
     out = {"tau": tau, "train_s": train_s}
     if num_long_prompts:
-        out["tau_long"] = reference_tau(job.target_path, export_dir, prompts_path, num_long_prompts, to_the_end=True)
+        out["tau_long"] = reference_tau(job.target_path, export_dir, prompts_path, num_long_prompts, to_the_end=True,
+                                        longest=long_position)  # fmt: skip
     return {**out, "bench_s": time.perf_counter() - t0 - train_s}
 
 

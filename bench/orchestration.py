@@ -33,11 +33,12 @@ pipeline than the demo's.
 
 Per-task overhead. Inside one flow run, `--num-tasks` calls of a trivial task (returns its argument + 1)
 one after another, against as many plain calls of the same function; task_overhead_ms = (tasks_s -
-plain_s) / N. flow_overhead_ms is the wall time of calling an empty flow (one flow run), averaged over 10.
+plain_s) / N. flow_overhead_ms is the wall time of calling an empty flow (one flow run), averaged over 10 (2 with --quick).
 
-`--quick` caps training at 100 steps and the benchmark at 8 prompts (a minute or two per path); the
-training then weighs less, so the share comes out larger. The last line is one JSON object with the
-figures (prefect_share, task_overhead_ms, ...).
+`--quick` runs the same paths on the preset cut to seconds (bench/measure.py's quick_config: 12 prompts, 4
+training steps on one process, a 10-step smoke run, 2 benchmark prompts) and 20 tasks, for the test suite (about a
+minute: the server's start and three processes' imports); Prefect's fixed costs then weigh more, so the share comes
+out far larger. The last line is one JSON object with the figures (prefect_share, task_overhead_ms, ...).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from measure import quick_config  # noqa: E402
 
 # (stage in the table, library timer name, the names of the Prefect runs that did it)
 STAGES = (
@@ -71,12 +74,8 @@ STAGES = (
 def bench_config(workdir: Path, quick: bool):
     from eyas.config import load_run_config
 
-    config = load_run_config(REPO / "deployments" / "tiny-cpu.json")
-    update = {"workdir": str(workdir)}
-    if quick:
-        update["train"] = config.train.model_copy(update={"max_steps": 100})
-        update["bench"] = config.bench.model_copy(update={"num_prompts": 8, "min_tau": 0.0})
-    return config.model_copy(update=update)
+    config = load_run_config(REPO / "deployments" / "tiny-cpu.json").model_copy(update={"workdir": str(workdir)})
+    return quick_config(config) if quick else config
 
 
 class Timer:
@@ -145,7 +144,7 @@ def run_prefect(config) -> dict:
     return {"recorded": recorded, **counts, "tau_mean": state.result()["tau_mean"]}
 
 
-def run_tasks(num_tasks: int) -> dict:
+def run_tasks(num_tasks: int, num_flows: int) -> dict:
     """N trivial task calls vs N plain calls in one flow run; an empty flow's wall time."""
     from prefect import flow, task
 
@@ -171,15 +170,15 @@ def run_tasks(num_tasks: int) -> dict:
 
     empty()  # the first flow run pays for one-time client set-up
     t0 = time.perf_counter()
-    for _ in range(10):
+    for _ in range(num_flows):
         empty()
-    flow_s = (time.perf_counter() - t0) / 10
+    flow_s = (time.perf_counter() - t0) / num_flows
     return {**overhead(num_tasks), "num_tasks": num_tasks, "flow_s": flow_s}
 
 
 def child(role: str, workdir: Path, quick: bool, num_tasks: int) -> None:
     if role == "tasks":
-        result = run_tasks(num_tasks)
+        result = run_tasks(num_tasks, 2 if quick else 10)
     else:
         config = bench_config(workdir, quick)
         result = run_library(config) if role == "library" else run_prefect(config)
@@ -324,7 +323,7 @@ def report(m: dict, quick: bool, torch_threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="100 training steps, 8 benchmark prompts")
+    parser.add_argument("--quick", action="store_true", help="the preset cut to seconds, 20 tasks (for the test suite)")
     parser.add_argument("--num-tasks", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each path (alternating); the fastest counts")
     parser.add_argument(
@@ -334,6 +333,8 @@ def main() -> None:
     parser.add_argument("--role", choices=["library", "prefect", "tasks"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick and not args.role:
+        args.num_tasks = min(args.num_tasks, 20)
     if args.role:
         child(args.role, Path(args.workdir), args.quick, args.num_tasks)
         return

@@ -14,6 +14,10 @@ cache, prompts one after another on this machine; speculative decoding includes 
   after), at BENCH_NUM_THREADS and at torch's default count; the ratio is busy over idle (the sweep's best) at
   the same count.
 Prints tables (with the load average before each measurement), then (last line) one JSON object with the figures.
+`--quick` (for the test suite): 2 prompts of 8 new tokens, one thread (torch's default count set to 1), one repeat,
+one busy process; without an --export, an untrained draft for the target (its embedding, the first 1,024 token ids
+as the draft vocab) is written by the checkpoint writer and exported for SGLang, as training would, into a
+temporary directory.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +56,31 @@ def busy_processes(count: int):
             proc.wait()
 
 
+def untrained_export(target: str, out: Path) -> Path:
+    """A draft for `target` as training starts it (random layer, the target's embedding), exported for SGLang."""
+    from eyas.draft import DraftArch, build_draft
+    from eyas.export.configs import TargetRef
+    from eyas.export.convert import export_checkpoint
+    from eyas.layer_ids import default_aux_layer_ids
+    from eyas.target import load_embed_and_lm_head, read_target_config, target_fingerprint
+    from eyas.train.checkpoint import write_checkpoint
+
+    embed, _ = load_embed_and_lm_head(target)
+    vocab, hidden = embed.shape
+    draft_vocab = min(1024, vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    arch = DraftArch(hidden_size=hidden, num_aux=3, target_vocab_size=vocab, draft_vocab_size=draft_vocab,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=2 * hidden)  # fmt: skip
+    draft = build_draft(arch, embed.float(), torch.zeros(draft_vocab, dtype=torch.int64), t2d, seed=0)
+    checkpoint = write_checkpoint(
+        out / "train", 1, model_state={k: v.contiguous() for k, v in draft.state_dict().items()}, optimizer_state={},
+        scheduler_state={}, arch=arch, trainer_state={}, target_fingerprint=target_fingerprint(target), keep_last=1,
+        aux_layer_ids=default_aux_layer_ids(read_target_config(target)["num_hidden_layers"]),
+    )  # fmt: skip
+    return export_checkpoint(checkpoint, out / "export", to="sglang", target=TargetRef.read(target))
+
+
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -68,9 +99,28 @@ def main() -> int:
     p.add_argument("--sweep-prompts", type=int, default=8, help="prompts of the thread sweep and the busy runs")
     p.add_argument("--repeats", type=int, default=2, help="runs per thread count (the best one counts)")
     p.add_argument("--busy-processes", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, an untrained draft when --export has none")
     args = p.parse_args()
+    scratch = None
+    if args.quick:
+        args.num_prompts, args.max_new_tokens, args.threads, args.sweep_prompts = 2, 8, "1", 1
+        args.repeats, args.busy_processes = 1, 1
+        torch.set_num_threads(1)  # torch's default count is then 1 too: one busy run, not one per count
+        if not (Path(args.export) / "config.json").is_file():
+            scratch = Path(tempfile.mkdtemp(prefix="eyas-bench-reference-"))
+            args.export = str(untrained_export(args.target, scratch))
+    try:
+        return measure(args)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch)
+
+
+def measure(args: argparse.Namespace) -> int:
     if not (Path(args.export) / "config.json").is_file():
-        print(f"no exported draft at {args.export}: run `make demo` first or pass --export", file=sys.stderr)
+        print(
+            f"no exported draft at {args.export}: run `make demo` first or pass --export (or --quick)", file=sys.stderr
+        )
         return 2
     prompts = [r["conversations"] for r in read_prompts(args.prompts, args.num_prompts)]
     shape = dict(

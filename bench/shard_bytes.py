@@ -10,15 +10,19 @@ per token of each variant, measured here (H 128) and computed for Kimi-K2.5 (H 7
 The last line is one JSON object: `bytes_ratio_best` is the bytes per token of the smallest variant whose
 mean tau is no more than 2% below bfloat16/last_hidden's, over bfloat16/last_hidden's (at H 7168, and at the tiny
 target's H as `bytes_ratio_best_measured_h`); `tau_delta_best` is that variant's relative tau difference.
-Takes 30-60 minutes on 2 cores; not part of CI. Work goes to --workdir (default runs/shard-bytes), kept.
+Takes 30-60 minutes on 2 cores. Work goes to --workdir (default runs/shard-bytes), kept. `--quick`: seconds, the
+same code path (bfloat16/last_hidden and float8_e4m3/topk 32, one seed, the demo preset cut as bench/measure.py's
+quick_config says; a temporary workdir), for the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -26,7 +30,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from measure import demo_config, extract_variant, extracted_aux_ids, prepare, train_and_measure  # noqa: E402
+from measure import (  # noqa: E402
+    demo_config,
+    extract_variant,
+    extracted_aux_ids,
+    prepare,
+    quick_config,
+    train_and_measure,
+)
 
 from eyas.config import RunConfig, TrainJob  # noqa: E402
 from eyas.shards.encoding import ShardEncoding, extract_encoding  # noqa: E402
@@ -55,14 +66,29 @@ def variant_config(base: RunConfig, variant: tuple) -> RunConfig:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=str(REPO / "deployments" / "tiny-cpu.json"))
-    p.add_argument("--workdir", default=str(REPO / "runs" / "shard-bytes"))
+    p.add_argument("--workdir", default=None, help="default runs/shard-bytes (kept); with --quick a temporary one")
     p.add_argument("--num-epochs", type=int, default=6)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="seconds, the same code path (see above)")
     args = p.parse_args()
-    base = demo_config(args.preset, args.workdir)
-    workdir = Path(args.workdir)
+    workdir = args.workdir or (
+        tempfile.mkdtemp(prefix="eyas-bench-shard-bytes-") if args.quick else str(REPO / "runs" / "shard-bytes")
+    )
+    try:
+        return measure_variants(args, Path(workdir))
+    finally:
+        if args.quick and not args.workdir:
+            shutil.rmtree(workdir)
+
+
+def measure_variants(args: argparse.Namespace, workdir: Path) -> int:
+    base = demo_config(args.preset, str(workdir))
+    variants = VARIANTS
+    if args.quick:
+        base = quick_config(base)
+        variants, args.seeds, args.num_prompts = [VARIANTS[1], VARIANTS[-1]], [0], base.bench.num_prompts
     t0 = time.perf_counter()
     prepare(base)
     from eyas.dataset.table import TokenizedDataset
@@ -71,7 +97,7 @@ def main() -> int:
     measured_h = json.loads((Path(base.target.model_path) / "config.json").read_text())["hidden_size"]
     rows, futures = {}, {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for variant in VARIANTS:
+        for variant in variants:
             config = variant_config(base, variant)
             enc = extract_encoding(config.extract)
             label = enc.label()
@@ -85,7 +111,8 @@ def main() -> int:
                                vocab_path=str(base.paths.vocab), output_dir=str(out), aux_layer_ids=extracted_aux_ids(shards),
                                draft=base.draft, train=train)  # fmt: skip
                 futures[(label, seed)] = pool.submit(train_and_measure, job.model_dump_json(), str(out / "export"),
-                                                     base.bench.prompts_path, args.num_prompts)  # fmt: skip
+                                                     base.bench.prompts_path, args.num_prompts,
+                                                     sglang_version=base.export.sglang_version)  # fmt: skip
             print(f"extracted {label}: {nbytes:,} bytes; training {len(args.seeds)} seeds", flush=True)
         for (label, seed), fut in futures.items():
             r = fut.result()

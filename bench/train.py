@@ -1,6 +1,6 @@
 """Trainer overhead: eyas.train's steps/s as a ratio to a minimal in-memory loop of the same model and batch.
 
-Usage: .venv/bin/python bench/train.py [--steps 40]
+Usage: .venv/bin/python bench/train.py [--steps 40] [--quick]
 
 The trainer runs in-process as one rank (gloo), reading memory-mapped shards, logging metrics and
 writing checkpoints every `steps // 4` steps. The baseline trains the same draft on batches that
@@ -83,7 +83,9 @@ def time_minimal(job: TrainJob, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="2 steps: seconds, the same code path (the test suite)")
     args = parser.parse_args()
+    args.steps = 2 if args.quick else args.steps
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """Training from S3 through a bounded shard cache: steps/s with a cache holding 10% of the shards against a full
 local copy, in one run.
 
-Usage: .venv/bin/python bench/train_cache.py [--num-shards 40] [--num-epochs 2] [--cache-fraction 0.1]
+Usage: .venv/bin/python bench/train_cache.py [--num-shards 40] [--num-epochs 2] [--cache-fraction 0.1] [--quick]
 
 A synthetic shard set (H 128, ~110 tokens a sample, float32: about 1.8 MB a shard) is written locally and
 uploaded to a real S3 API server on loopback (moto's server mode, as in the tests). The trainer runs
@@ -11,7 +11,8 @@ cache-fraction of the shard set, then through the same cache with a uniform shuf
 what the window order saves), each `--repeats` times, interleaved, after a short warm-up run; the median
 run of each is reported. A run's steps/s counts every step from the trainer's start, the cache's first fetch
 included.
-Goal: cache_steps_ratio (cached / local steps/s) >= 0.90. The last line is one JSON object.
+Goal: cache_steps_ratio (cached / local steps/s) >= 0.90. The last line is one JSON object. `--quick` (for the test
+suite): 6 shards, one epoch, once each.
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def main() -> int:
     p.add_argument("--num-epochs", type=int, default=2)
     p.add_argument("--cache-fraction", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="6 shards, one epoch, once: seconds, the same code path")
     args = p.parse_args()
+    if args.quick:
+        args.num_shards, args.num_epochs, args.repeats = 6, 1, 1
     from s3_server import CREDENTIALS, start_s3_server
 
     os.environ.update(CREDENTIALS)

@@ -13,6 +13,7 @@ Usage:
   eyas status [RUN] [--json]             where a run stands and what to run next (RUN: config, workdir or flow-run id)
   eyas engine-command CONFIG --stage generate|extract|bench|baseline [--json]   the SGLang server a stage starts
   eyas target PATH [--json]              a target's facts from config.json and weight headers (no weights, no code)
+  eyas plan CONFIG [--json]              the training's memory per device: components, peak, budget, micro-batch
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     target = sub.add_parser("target", help="a target's facts from config.json and weight headers")
     target.add_argument("path")
     target.add_argument("--json", action="store_true", help="print the facts as JSON")
+    plan = sub.add_parser("plan", help="the memory plan of the run's training, per device (no Prefect, no dataset)")
+    plan.add_argument("config")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON (MemoryPlan.to_dict())")
     engine = sub.add_parser("engine-command", help="print the SGLang launch command a stage would run")
     engine.add_argument("config")
     engine.add_argument("--stage", required=True, choices=["generate", "extract", "bench", "baseline"])
@@ -368,6 +372,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return show_status(args.run, args.json)
     if args.command == "target":
         return show_target(args.path, args.json)
+    if args.command == "plan":
+        from eyas_cli.plan import show_plan
+
+        return show_plan(load_config(args.config), args.config, args.json)
     if args.command == "engine-command":
         import shlex
 

@@ -10,7 +10,7 @@ and asserts the exit code, that no "Traceback" is printed, and the key words of 
 | run | `train.lr: -1`, `dataset.responses: "maybe"` | every invalid field, one line each |
 | run | a config that is not JSON | `not valid JSON` |
 | run | a config file that does not exist | `no such file; expected a JSON RunConfig` |
-| extract, engine-command | the same bad config | the same list (every verb that takes a config) |
+| extract, engine-command, plan | the same bad config | the same list (every verb that takes a config) |
 | approve | `not-a-uuid` | `not a flow run id` (no server is started) |
 | approve | a well-formed id of no flow run | `no flow run with this id on the Prefect server` |
 | approve | PREFECT_API_URL that does not answer | `does not answer /health` |
@@ -93,7 +93,7 @@ def test_every_invalid_field_is_listed_by_every_verb_that_takes_a_config(tmp_pat
         c["dataset"]["responses"] = "maybe"
 
     path = bad_config(tmp_path, edit)
-    for args in (("run", path), ("extract", path), ("engine-command", path, "--stage", "extract")):
+    for args in (("run", path), ("extract", path), ("engine-command", path, "--stage", "extract"), ("plan", path)):
         err = refused(eyas(*args), "2 problem(s)", "train.lr: found -1, expected a value > 0",
                       "dataset.responses: found 'maybe', expected one of 'regenerate' or 'as_given'")  # fmt: skip
         assert err.count("\n  ") == 2

@@ -180,7 +180,7 @@ def test_a_1t_targets_decision_fits_80_columns(tmp_path):
         "modules": modules,
     }
     facts = RunFacts.model_construct(
-        target=TargetFacts.model_construct(hidden_size=h),
+        target=TargetFacts.model_construct(hidden_size=h, vocab_size=v),
         aux_layer_ids=[2, 30, 58],
         tokenized_path="",
         dataset_hash="",

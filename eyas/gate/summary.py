@@ -6,9 +6,10 @@
     summary.full       # the complete Markdown (every table), a full-width artifact linked from the dialog
 
 The facts come first and once (`review`): the draft's modules with parameter counts, shapes and whether
-each trains (and the totals), the data (samples, tokens, shards verified), the smoke run, the device
-preflight, the estimate (scaled from the smoke run's measured speed, eyas.train.launch.training_estimate)
-and the exact command.
+each trains (and the totals), the data (samples, tokens, shards verified), the smoke run (where and in which
+precision it ran, its speed, its checkpoint save), the device preflight, the memory plan (the preflight's, else
+one computed from the config: eyas.gate.memory), the estimate (scaled from the smoke run's measured speed,
+eyas.train.launch.training_estimate), the risks and the exact command.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
+from eyas.gate import memory
 from eyas.markdown import dict_table, table
 from eyas.train.launch import JOB_FILE, format_command, torchrun_command, training_estimate, wrap_command
 
@@ -101,9 +103,66 @@ def duration_text(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def smoke_conditions(smoke: dict) -> str:
+    """Where and how the smoke run ran: device, precision, speed, checkpoint save, measured peak (the keys a
+    smoke result of an older eyas lacks are left out)."""
+    where = f"on {smoke.get('device', 'cpu')}" + (f" in {smoke['precision']}" if smoke.get("precision") else "")
+    parts = [where + (f" at {smoke['tokens_per_s']:,.0f} tokens/s" if smoke.get("tokens_per_s") else "")]
+    if smoke.get("save_s") is not None:
+        parts.append(f"checkpoint save {smoke['save_s']:,.1f} s")
+    if smoke.get("peak_bytes"):
+        parts.append(f"measured peak {memory.gib(smoke['peak_bytes'])}")
+    return "; ".join(parts)
+
+
+def memory_facts(config: RunConfig, plan: dict) -> dict:
+    """The Memory section: the peak against the budget, the micro-batch tokens, the largest components."""
+    return {
+        "peak": memory.peak_text(plan),
+        "micro_batch": f"micro-batches of {memory.micro_batch_text(plan, config)}",
+        "largest": f"largest: {memory.largest_text(plan)}",
+        "rows": memory.plan_rows(plan),
+    }
+
+
+def gate_risks(config: RunConfig, smoke: dict, plan: dict) -> list[str]:
+    """What may break the training run though every check passed."""
+    risks, timeout_s = [], config.train.collective_timeout_s
+    save_s = smoke.get("save_s")
+    if save_s is not None and save_s > timeout_s / 2:
+        risks.append(
+            f"a checkpoint save took {save_s:,.1f} s in the smoke run, more than half of "
+            f"train.collective_timeout_s={timeout_s}: raise it, or write checkpoints to faster storage"
+        )
+    if plan["device_bytes"] and not plan["fits"]:
+        risks.append(
+            f"the memory plan does not fit the device: {memory.peak_of_budget(plan)}; `eyas plan CONFIG` names the fixes"
+        )
+    return risks
+
+
+def estimate_text(config: RunConfig, est: dict) -> str:
+    """The cost of the training run, from eyas.train.launch.training_estimate."""
+    hours = "GPU-hours" if est["trains_on"] == "cuda" else "CPU process-hours"
+    if est["wall_s"] is not None:
+        return (
+            f"about {duration_text(est['wall_s'])} wall, {est['device_hours']:.2f} {hours} "
+            f"({est['steps']:,} steps, {est['tokens']:,} tokens on {config.train.num_processes} "
+            f"process{'es' * (config.train.num_processes != 1)} at the smoke run's {est['tokens_per_s']:,.0f} "
+            "tokens/s each)"
+        )
+    if est["tokens_per_s"]:
+        return (
+            f"{est['steps']:,} steps, {est['tokens']:,} tokens; no wall-time figure: the smoke run measured "
+            f"{est['tokens_per_s']:,.0f} tokens/s on {est['measured_on']}, and training runs on {est['trains_on']}"
+        )
+    return f"{est['steps']:,} steps, {est['tokens']:,} tokens; the smoke run measured no speed"
+
+
 def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict) -> dict:
     """The facts of the decision, from the stages' summaries (the dataset report, the verification summary, the
-    smoke run, the preflight report)."""
+    smoke run, the preflight report; its memory plan under "plan", else computed here)."""
+    plan = devices.get("plan") or memory.plan_of_run(config, facts.target)
     modules = [
         {**m, "shapes": ", ".join(shape_items(m["shapes"])), "shape_items": shape_items(m["shapes"])}
         for m in smoke["modules"]
@@ -111,21 +170,6 @@ def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict,
     trainable = sum(m["num_params"] for m in modules if m["trainable"])
     frozen = sum(m["num_params"] for m in modules if not m["trainable"])
     est = training_estimate(config, facts, smoke)
-    hours = "GPU-hours" if est["trains_on"] == "cuda" else "CPU process-hours"
-    if est["wall_s"] is not None:
-        estimate = (
-            f"about {duration_text(est['wall_s'])} wall, {est['device_hours']:.2f} {hours} "
-            f"({est['steps']:,} steps, {est['tokens']:,} tokens on {config.train.num_processes} "
-            f"process{'es' * (config.train.num_processes != 1)} at the smoke run's {est['tokens_per_s']:,.0f} "
-            "tokens/s each)"
-        )
-    elif est["tokens_per_s"]:
-        estimate = (
-            f"{est['steps']:,} steps, {est['tokens']:,} tokens; no wall-time figure: the smoke run measured "
-            f"{est['tokens_per_s']:,.0f} tokens/s on {est['measured_on']}, and training runs on {est['trains_on']}"
-        )
-    else:
-        estimate = f"{est['steps']:,} steps, {est['tokens']:,} tokens; the smoke run measured no speed"
     shards = verified.get("shards")
     data = f"{facts.num_samples:,} samples, {dataset.get('num_tokens', est['tokens']):,} tokens"
     if "num_loss_tokens" in dataset:
@@ -144,11 +188,14 @@ def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict,
             f"loss {smoke['first_loss']:.3f} -> {smoke['last_loss']:.3f} in {smoke['steps']} steps on "
             f"{smoke.get('samples', '?')} samples: {'passed' if smoke['passed'] else 'FAILED'}"
         ),
+        "smoke_conditions": smoke_conditions(smoke),
         "devices": (
             f"{devices['backend']}, {devices['num_processes']} "
             f"process{'es' * (devices['num_processes'] != 1)}: {'passed' if devices['ok'] else 'FAILED'}"
         ),
-        "estimate": estimate,
+        "memory": memory_facts(config, plan),
+        "estimate": estimate_text(config, est),
+        "risks": gate_risks(config, smoke, plan),
         "command": torchrun_command(config, config.paths.train_dir / JOB_FILE),
         "notes": dataset_notes(dataset),
     }
@@ -161,7 +208,8 @@ def _wrapped(label: str, text: str) -> list[str]:
 
 
 def terminal_text(r: dict) -> str:
-    """The decision for an 80-column terminal."""
+    """The decision for an 80-column terminal. The command block is flush left, an argument longer than a line
+    split inside itself with a backslash-newline: pasted whole, the block runs as the command."""
     rows = [
         (m["module"], f"{m['num_params']:,}", "yes" if m["trainable"] else "FROZEN", m["shape_items"])
         for m in r["modules"]
@@ -179,10 +227,14 @@ def terminal_text(r: dict) -> str:
     lines += _wrapped("Data", r["data"])
     for note in r["notes"]:
         lines += _wrapped("", note.replace("**", ""))
-    lines += _wrapped("Smoke", r["smoke"])
+    lines += _wrapped("Smoke", r["smoke"]) + _wrapped("", r["smoke_conditions"])
     lines += _wrapped("Devices", r["devices"])
+    mem = r["memory"]
+    lines += _wrapped("Memory", mem["peak"]) + _wrapped("", mem["micro_batch"]) + _wrapped("", mem["largest"])
     lines += _wrapped("Estimate", r["estimate"])
-    lines += ["Command", *("  " + line for line in wrap_command(r["command"], TERMINAL_WIDTH - 2))]
+    for i, risk in enumerate(r["risks"]):
+        lines += _wrapped("" if i else "Risks", risk)
+    lines += ["Command", *wrap_command(r["command"], TERMINAL_WIDTH, split_words=True)]
     return "\n".join(lines)
 
 
@@ -193,13 +245,16 @@ def dialog_markdown(r: dict) -> str:
         [f"`{m['module']}`", f"{m['num_params']:,}", "yes" if m["trainable"] else "**frozen**"] for m in r["modules"]
     ]
     command = "\n".join(wrap_command(r["command"], DIALOG_COMMAND_WIDTH, split_words=True))
+    mem = r["memory"]
     lines = [
         f"### Approve training of `{r['name']}`",
+        *(f"- **risk** {risk}" for risk in r["risks"]),
         f"- **trains** {r['trainable_params']:,} parameters, **frozen** {r['frozen_params']:,}",
         f"- **cost** {r['estimate']}",
         f"- **data** {r['data']}",
-        f"- **smoke run** {r['smoke']}",
+        f"- **smoke run** {r['smoke']}; {r['smoke_conditions']}",
         f"- **devices** {r['devices']}",
+        f"- **memory** {mem['peak']}; {mem['micro_batch']}; {mem['largest']}",
         *(f"- {note}" for note in r["notes"]),
         table(["module", "params", "trains"], rows),
         f"```\n{command}\n```",
@@ -220,12 +275,16 @@ def full_markdown(r: dict, *, dataset: dict, verified: dict, devices: dict) -> s
         dict_table([{k: v for k, v in m.items() if k != "shape_items"} for m in r["modules"]]),
         f"total: {r['trainable_params']:,} trainable, {r['frozen_params']:,} frozen",
         "## Smoke run",
-        r["smoke"],
+        f"{r['smoke']}; {r['smoke_conditions']}",
         "## Device preflight",
         r["devices"],
         dict_table(devices["devices"]),
+        "## Memory plan",
+        f"{r['memory']['peak']}; {r['memory']['micro_batch']}",
+        table(["component", "GiB", "what"], r["memory"]["rows"]),
         "## Estimate",
         r["estimate"],
+        *(["## Risks", *(f"- {risk}" for risk in r["risks"])] if r["risks"] else []),
         "## Command",
         f"```\n{format_command(r['command'])}\n```",
     ]

@@ -251,6 +251,57 @@ def test_last_metrics_skips_a_line_cut_by_a_crash(tmp_path):
     assert last_metrics(tmp_path / "metrics.jsonl")["step"] == 3
 
 
+def test_the_training_plan_per_device_is_shown_from_the_config_and_its_target(tmp_path, monkeypatch):
+    from eyas.target import TargetFacts
+    from eyas.train.memory_plan import GIB, run_plan
+
+    monkeypatch.chdir(REPO)  # the preset's target path is relative to the checkout
+    path, config = build_partial_run(tmp_path)
+    status = run_status(path)
+    plan = run_plan(config, TargetFacts.read(config.target.model_path))
+    assert status.progress["plan"]["peak_bytes"] == plan.peak_bytes
+    assert status.progress["plan"]["micro_batch_tokens"] == plan.micro_batch_tokens
+    device_bytes = status.progress["plan"]["device_bytes"]  # this host's available memory then (it moves)
+    assert device_bytes > 0
+    assert (
+        f"- memory plan: fits: peak {plan.peak_bytes / GIB:.1f} GiB per device of {device_bytes / GIB:.1f} GiB"
+    ) in status.to_markdown()
+    assert (
+        f"micro-batches of {plan.micro_batch_tokens:,} tokens (auto: chosen by the memory plan); device budget: this "
+        "host's available memory shared by train.num_processes=2"
+    ) in status.to_markdown()
+
+
+def test_a_target_not_readable_here_leaves_the_plan_not_computed_and_the_rest_read(tmp_path):
+    path, config = build_partial_run(tmp_path)
+    missing = tmp_path / "no-target"
+    config = config.model_copy(update={"target": config.target.model_copy(update={"model_path": str(missing)})})
+    path.write_text(config.model_dump_json())
+    status = run_status(path)
+    assert status.stage("extract").state == "partial"
+    assert status.progress["plan"]["error"].startswith(f"target.model_path='{missing}': target '{missing}': no config")
+    assert "- memory plan: not computed here (target.model_path=" in status.to_markdown()
+    assert "`eyas plan CONFIG` where the target's config.json and weight headers are" in status.to_markdown()
+
+
+def test_the_newest_metric_record_shows_padding_waste_micro_batches_and_peak(tmp_path):
+    path, config, _ = build_trained_run(tmp_path)
+    record = {"step": 30, "epoch": 29, "loss": 4.2, "lr": 1e-4, "elapsed_s": 61.0, "padding_waste": 0.1234,
+              "micro_batches": 3, "peak_memory_bytes": 41 << 30}  # fmt: skip
+    with open(config.paths.train_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    text = run_status(path).to_markdown()
+    assert (
+        "- last metrics: step 30, epoch 29, loss 4.2000, lr 1.00e-04, 61 s into the launch; padding waste 12.3% of "
+        "the computed tokens, 3 micro-batches per step (rank 0), measured peak 41.0 GiB per device"
+    ) in text
+    write_metrics(config.paths.train_dir, range(1, 3))  # records of an older trainer: neither figure
+    assert (
+        "- last metrics: step 2, epoch 0, loss 8.9800, lr 1.00e-04, 0 s into the launch\n"
+        in run_status(path).to_markdown()
+    )
+
+
 def run_cli(*args: str, api_url: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_API_URL": api_url}
     cmd = [sys.executable, "-m", "eyas_cli.main", "status", *args]

@@ -233,7 +233,8 @@ def probe_train(ctx: Context) -> tuple[str, str, str]:
     if best is not None:
         info["best"] = best
     if metrics is not None:
-        keep = ("step", "epoch", "loss", "acc_k", "lr", "grad_norm", "elapsed_s", "tokens_per_s")
+        keep = ("step", "epoch", "loss", "acc_k", "lr", "grad_norm", "elapsed_s", "tokens_per_s", "padding_waste",
+                "micro_batches", "peak_memory_bytes")  # fmt: skip
         info["last_metrics"] = {k: metrics[k] for k in keep if k in metrics}
         if metrics.get("eval"):  # an evaluation newer than the checkpoint's
             info["eval"] = {"step": metrics["step"], **metrics["eval"]}

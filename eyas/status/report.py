@@ -19,7 +19,8 @@ file's owner), never from a log:
 A RUN given as a directory is matched with its config through `run.json` (written by each stage's status
 artifact, tasks/status.py) or a preset in `presets_dir` whose workdir is that directory; without one the
 stages are still read and the commands say CONFIG. Nothing here imports Prefect: the flow runs a server
-knows of are added by the caller (`RunStatus.flow_runs`, see tasks/status.py).
+knows of are added by the caller (`RunStatus.flow_runs`, see tasks/status.py). With a config, the training's
+memory plan per device is computed from it and the target's facts (eyas.status.progress; `eyas plan` in full).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from eyas.markdown import table
 from eyas.status import probes
 from eyas.status.launches import ALIVE, ELSEWHERE, GONE, launch_of, liveness, read_launches
 from eyas.status.probes import DONE, FAILED, REJECTED, RUNNING, STALE, UNREADABLE
+from eyas.status.progress import progress_lines, training_plan
 from eyas.train.preflight import query_gpus
 
 RUN_CONFIG_NAME = probes.RUN_CONFIG_NAME
@@ -149,6 +151,8 @@ def run_status(run: "str | Path | RunConfig", *, presets_dir: Path | None = None
             stages.append(StageState(name, *getattr(probes, f"probe_{name}")(ctx)))
         except probes.READ_ERRORS as err:  # a damaged file is this stage's state, not a crash of the report
             stages.append(StageState(name, UNREADABLE, f"{type(err).__name__}: {err}", ""))
+    if config is not None:
+        ctx.progress["plan"] = training_plan(config)
     return RunStatus(
         workdir=str(workdir),
         config_path=None if config_path is None else str(config_path),
@@ -324,64 +328,6 @@ def next_steps(status: RunStatus) -> list[str]:
     return steps
 
 
-def _acceptance_line(progress: dict) -> str:
-    acc = progress.get("acceptance")
-    if acc:
-        per_pos = ", ".join(f"{r:.2f}" for r in acc.get("accept_rate_per_position") or [])
-        return (
-            f"tau {acc['tau_mean']:.2f} ({acc['engine']} engine)"
-            + (f", n-gram {acc['tau_ngram']:.2f}" if "tau_ngram" in acc else "")
-            + (f", random draft {acc['tau_random']:.2f}" if "tau_random" in acc else "")
-            + (f"; acceptance per position {per_pos}" if per_pos else "")
-        )
-    evaluated = progress.get("train", {}).get("eval")
-    if evaluated:
-        return (
-            f"no benchmark yet; estimated tau {evaluated['tau_estimate']:.2f} for a chain of "
-            f"{evaluated['chain_steps']} from the held-out split at step {evaluated['step']:,}"
-        )
-    metrics = progress.get("train", {}).get("last_metrics")
-    if metrics and metrics.get("acc_k"):
-        acc_k = ", ".join(f"{a:.2f}" for a in metrics["acc_k"])
-        return (
-            f"no benchmark yet; teacher-forced accuracy per TTT step at step {metrics['step']:,}: {acc_k} (not a tau)"
-        )
-    return "no benchmark yet"
-
-
-def _progress_lines(status: RunStatus) -> list[str]:
-    p, lines = status.progress, []
-    if "shards" in p:
-        s, v = p["shards"], p.get("verified", {})
-        lines.append(
-            f"shards: {s['done']:,} of {s['planned']:,} extracted ({s['bytes_done'] / (1 << 30):.2f} GiB), "
-            f"{v.get('ok', 0):,} verified; {s['quarantined']} quarantined"
-            + (f" (latest: {s['last_quarantine_reason']})" if s["last_quarantine_reason"] else "")
-            + (f"; {s['interrupted_writes']} interrupted writes, removed on resume" if s["interrupted_writes"] else "")
-        )
-    t = p.get("train", {})
-    if t.get("checkpoint"):
-        of = f" of {t['planned_steps']:,}" if t.get("planned_steps") else ""
-        lines.append(
-            f"checkpoint: step {t['step']:,}{of}, {t['samples_consumed']:,} samples consumed: `{t['checkpoint']}`"
-        )
-    if t.get("last_metrics"):
-        m = t["last_metrics"]
-        lines.append(
-            f"last metrics: step {m.get('step')}, epoch {m.get('epoch')}, loss {m.get('loss', float('nan')):.4f}, "
-            f"lr {m.get('lr', 0):.2e}, {m.get('elapsed_s', 0):,.0f} s into the launch"
-        )
-    if t.get("eval"):
-        e, best = t["eval"], t.get("best")
-        lines.append(
-            f"held-out evaluation at step {e['step']:,}: estimated tau {e['tau_estimate']:.2f}, accuracy per "
-            f"position {', '.join(f'{a:.2f}' for a in e['acc_k'])}, loss {e['loss']:.4f}"
-            + (f"; best checkpoint {best['checkpoint']} (estimated tau {best['tau_estimate']:.2f})" if best else "")
-        )
-    lines.append(f"acceptance: {_acceptance_line(p)}")
-    return lines
-
-
 def _table(header: list[str], rows: list[list]) -> list[str]:
     return table(header, rows).split("\n")
 
@@ -393,7 +339,7 @@ def render_markdown(status: RunStatus, title: str = "") -> str:
     out += _table(
         ["stage", "state", "detail", "read from"], [[s.stage, s.state, s.detail, s.evidence] for s in status.stages]
     )
-    out += ["", "## Progress", ""] + [f"- {line}" for line in _progress_lines(status)]
+    out += ["", "## Progress", ""] + [f"- {line}" for line in progress_lines(status.progress, status.config)]
     out += ["", "## Next", ""] + [f"{i}. {step}" for i, step in enumerate(status.next_steps(), 1)]
     out += ["", "## Prefect flow runs of this workdir", ""]
     if status.flow_runs:

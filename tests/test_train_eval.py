@@ -195,6 +195,7 @@ def test_tensorboard_event_files_hold_every_scalar(evaluated_run):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss", "eval/tau_estimate"}
+    expected |= {"train/padding_waste", "train/micro_batches"}
     expected |= {f"train/acc_k/{k}" for k in range(3)} | {f"eval/acc_k/{k}" for k in range(3)}
     assert expected <= tags
     taus = [e.value for e in events.Scalars("eval/tau_estimate")]

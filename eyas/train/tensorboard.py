@@ -3,7 +3,8 @@
     tensorboard --logdir runs/demo/train/tb        # then open http://localhost:6006
 
 Scalars per optimizer step (the metric record, eyas.train.metrics): train/loss, train/loss_k/{k},
-train/acc_k/{k} (position k + 1), train/lr, train/grad_norm, train/tokens_per_s; and at each held-out
+train/acc_k/{k} (position k + 1), train/lr, train/grad_norm, train/tokens_per_s, train/padding_waste (tokens padded
+/ tokens computed), train/micro_batches, on CUDA train/peak_memory_bytes; and at each held-out
 evaluation eval/loss, eval/acc_k/{k}, eval/tau_estimate. The files are TensorBoard's own event format, which
 W&B (`wandb sync --sync-tensorboard`) and MLflow import as they are. A resumed run purges the events from the
 first step it trains again (SummaryWriter's purge_step), so every step is shown once after any resume.
@@ -34,8 +35,9 @@ class TensorBoardLog:
             w.add_scalar(f"train/loss_k/{k}", v, step)
         for k, v in enumerate(record["acc_k"]):
             w.add_scalar(f"train/acc_k/{k}", v, step)
-        for key in ("lr", "grad_norm", "tokens_per_s"):
-            w.add_scalar(f"train/{key}", record[key], step)
+        for key in ("lr", "grad_norm", "tokens_per_s", "padding_waste", "micro_batches", "peak_memory_bytes"):
+            if key in record:  # the peak is measured on CUDA only
+                w.add_scalar(f"train/{key}", record[key], step)
         evaluated = record.get("eval")
         if evaluated:
             w.add_scalar("eval/loss", evaluated["loss"], step)

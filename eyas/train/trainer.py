@@ -227,6 +227,8 @@ class Trainer:
         }
         self.tokens_seen += record["num_tokens"]
         record["tokens_per_s"] = round(self.tokens_seen / max(elapsed, 1e-9), 1)
+        if self.ctx.device.type == "cuda":  # this rank's peak so far, to hold against the memory plan
+            record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
         if self.eval_due():
             record["eval"] = self.evaluate()
             self.last_eval = record["eval"]

@@ -16,7 +16,6 @@ from eyas.train.preflight import (
     PreflightFailed,
     alive_recorded,
     device_preflight,
-    parse_nvidia_smi,
     preflight_run,
     read_registry,
     record_launch,
@@ -251,14 +250,6 @@ def test_a_cpu_run_records_its_plan(tmp_path):
     facts = SimpleNamespace(target=SimpleNamespace(hidden_size=64, vocab_size=512))
     report = preflight_run(config, facts)
     assert report.devices[0]["device"] == "cpu" and report.plan["fits"]
-
-
-def test_nvidia_smi_rows_for_eyas_status_are_parsed():
-    assert parse_nvidia_smi("0, 3, 81559\n1, 40211, 81559\n")[1] == {
-        "device": "cuda:1",
-        "memory_used_mib": 40211,
-        "memory_total_mib": 81559,
-    }
 
 
 def test_recorded_launcher_still_alive_fails_preflight_and_is_stopped(tmp_path):

@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 import socket
-import subprocess
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -43,7 +42,7 @@ from eyas.status import probes
 from eyas.status.launches import ALIVE, ELSEWHERE, GONE, launch_of, liveness, read_launches
 from eyas.status.probes import DONE, FAILED, REJECTED, RUNNING, STALE, UNREADABLE
 from eyas.status.progress import progress_lines, training_plan
-from eyas.train.preflight import query_gpus
+from eyas.train.devices import DeviceQueryFailed, query_devices
 
 RUN_CONFIG_NAME = probes.RUN_CONFIG_NAME
 STAGES = ("dataset", "extract", "verify", "smoke", "approval", "train", "export", "bench")
@@ -177,14 +176,23 @@ def software_versions() -> dict:
 
 
 def hardware() -> dict:
-    """This machine: host, CPU count, and its GPUs as nvidia-smi reports them."""
+    """This machine: host, CPU count, and the GPUs torch sees (CUDA_VISIBLE_DEVICES applied), asked in a short
+    subprocess (eyas.train.devices) where an NVIDIA driver is installed."""
     gpus = []
     if shutil.which("nvidia-smi"):
         try:
-            gpus = [f"{g['device']} ({g['memory_used_mib']}/{g['memory_total_mib']} MiB used)" for g in query_gpus()]
-        except (subprocess.SubprocessError, OSError, ValueError) as err:
-            gpus = [f"nvidia-smi failed: {err}"]
+            found = query_devices()
+        except DeviceQueryFailed as err:
+            gpus = [f"the device query failed: {err}"]
+        else:
+            gpus = [_gpu_line(row) for row in found["devices"]] or [found.get("unavailable_reason") or "none visible"]
     return {"host": socket.gethostname(), "cpus": os.cpu_count(), "gpus": ", ".join(gpus) or "none visible"}
+
+
+def _gpu_line(row: dict) -> str:
+    used, total = row.get("memory_used_mib"), row.get("memory_total_mib")
+    memory = f"{used}/{total} MiB used" if used is not None else "memory not readable"
+    return f"{row['device']} {row.get('name', '')} ({memory})"
 
 
 def stage_command(stage: StageState, cfg: str, run: str, status: RunStatus) -> str:

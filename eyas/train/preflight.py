@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -102,30 +100,6 @@ def stop_recorded(train_dir: Path, *, grace_s: float = 10.0) -> list[int]:
     for entry in alive_recorded(train_dir):
         os.killpg(entry["pid"], signal.SIGKILL)
     return [e["pid"] for e in targets]
-
-
-def parse_nvidia_smi(text: str) -> list[dict]:
-    """Rows of `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`."""
-    rows = []
-    for line in text.strip().splitlines():
-        index, used, total = (part.strip() for part in line.split(","))
-        rows.append({"device": f"cuda:{index}", "memory_used_mib": int(used), "memory_total_mib": int(total)})
-    return rows
-
-
-def query_gpus() -> list[dict]:
-    """Every GPU of the machine as nvidia-smi numbers them (CUDA_VISIBLE_DEVICES ignored), for `eyas status`;
-    the preflight asks torch instead (eyas.train.devices)."""
-    if shutil.which("nvidia-smi") is None:
-        raise FileNotFoundError("nvidia-smi not found on PATH; train.backend='nccl' needs NVIDIA GPUs and their driver")
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
-    return parse_nvidia_smi(out)
 
 
 def device_preflight(train: TrainConfig, train_dir: Path, found: dict | None = None) -> PreflightReport:

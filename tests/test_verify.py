@@ -265,6 +265,7 @@ def test_cheap_mode_on_processes_reports_what_one_thread_reports(shards, extract
     path.write_bytes(path.read_bytes()[:-100])
     one_thread = _verify(shards, extracted, "cheap", num_workers=1)
     monkeypatch.setattr(workers, "PROCESS_MIN_S", 0.0)  # few shards: processes only when told there is work
+    monkeypatch.setattr(workers, "PROCESS_GAIN", 0.0)  # and kept whatever their rate
     monkeypatch.setattr(workers, "FIRST_BATCH", 1)
     on_processes = _verify(shards, extracted, "cheap", num_workers=2)
     assert (one_thread.workers, on_processes.workers) == ("one thread", "2 processes")

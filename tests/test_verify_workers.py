@@ -45,6 +45,7 @@ def test_negative_worker_count_is_refused():
 @pytest.mark.skipif(workers.usable_cores() < 2 or not workers.can_fork(), reason="needs 2 cores and fork")
 def test_processes_return_every_row_in_order_and_inherit_what_the_batch_closes_over(monkeypatch):
     monkeypatch.setattr(workers, "PROCESS_MIN_S", 0.0)
+    monkeypatch.setattr(workers, "PROCESS_GAIN", 0.0)  # keep the processes whatever their rate
     monkeypatch.setattr(workers, "FIRST_BATCH", 3)
     table = {f"n{i}": i * i for i in range(500)}
     unpicklable = lambda: None  # noqa: E731 (a closure over it could not be sent to a spawned process)
@@ -68,3 +69,22 @@ def test_a_short_list_stays_on_one_thread():
 
 def test_no_names_start_no_workers():
     assert run_batches(lambda names: 1 / 0, [], holds_gil=False) == ([], "one thread")
+
+
+@pytest.mark.skipif(workers.usable_cores() < 2 or not workers.can_fork(), reason="needs 2 cores and fork")
+def test_processes_slower_than_one_thread_hand_the_rest_back(monkeypatch):
+    monkeypatch.setattr(workers, "PROCESS_MIN_S", 0.0)
+    monkeypatch.setattr(workers, "PROCESS_GAIN", 1e9)  # no rate is enough: as if other work held the cores
+    monkeypatch.setattr(workers, "FIRST_BATCH", 3)
+    monkeypatch.setattr(workers, "PROCESS_BATCH", 10)
+    names = [f"n{i}" for i in range(500)]
+
+    def batch(names):
+        return [(name, os.getpid()) for name in names]
+
+    rows, how = run_batches(batch, names, holds_gil=True)
+    assert how == "one thread (processes were slower)"
+    assert [n for n, _ in rows] == names
+    by_process = [pid != os.getpid() for _, pid in rows]
+    # the first batch here, the first two rounds and the batches in flight on the processes, the rest here
+    assert by_process == [False] * 3 + [True] * 70 + [False] * (500 - 73)

@@ -12,8 +12,12 @@
   6.3 s where one took 3.2 s. So the first batch is timed on one thread; when the rest would take that thread
   longer than PROCESS_MIN_S (which covers the pool's start and the rows' trip back), fork is available and
   more than one core is usable, the rest runs on forked processes, one per usable core (at most
-  `num_workers`), a few batches each. They inherit `verify_batch` and everything it closes over: only the
-  names go out and only the rows come back through pipes. Otherwise the rest runs on the same thread.
+  `num_workers`). They inherit `verify_batch` and everything it closes over: only the names go out and only
+  the rows come back through pipes. Otherwise the rest runs on the same thread.
+  Usable cores are not free cores: when other work holds them (and the kernel shares the CPU between sessions,
+  not processes), the processes run no faster than one thread and their start-up and pickling are a loss. So
+  their rate over the first rounds of batches, start-up included, is compared with the one-thread rate: below
+  PROCESS_GAIN times it, the batches in flight are collected and the rest runs on this thread.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import gc
 import multiprocessing
 import os
 import time
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -29,7 +34,9 @@ Row = TypeVar("Row")
 VerifyBatch = Callable[[list[str]], list[Row]]
 
 PROCESS_MIN_S = 0.5  # below this much one-thread work left, a process pool's start-up and pickling cost more
-FIRST_BATCH = 256  # names timed on one thread before choosing (about 20 ms of headers)
+PROCESS_GAIN = 1.2  # processes must beat one thread by this factor over their first rounds, or one thread goes on
+FIRST_BATCH = 512  # names timed on one thread before choosing (about 40 ms of headers)
+PROCESS_BATCH = 1024  # names a process takes at a time (about 0.1 s of headers)
 ONE_THREAD_BATCH = 1024  # names between progress reports on one thread
 
 _inherited: VerifyBatch | None = None  # a forked worker's verify_batch, set by its initializer, never pickled
@@ -83,31 +90,57 @@ def run_batches(
 
     if not names:
         return rows, "one thread"
-    rest, seconds_left = names, float("inf")
+    rest, seconds_left, rate = names, float("inf"), 0.0
     if holds_gil:
         t0 = time.perf_counter()
         take(verify_batch(names[:FIRST_BATCH]))
         rest = names[FIRST_BATCH:]
-        seconds_left = (time.perf_counter() - t0) / len(rows) * len(rest)
+        rate = len(rows) / max(time.perf_counter() - t0, 1e-9)
+        seconds_left = len(rest) / rate
     how, count = choose_workers(holds_gil=holds_gil, num_workers=num_workers, cores=usable_cores(),
                                 seconds_left=seconds_left, fork=can_fork())  # fmt: skip
-    if how == "one thread":
+    if how == "processes":
+        rest = _on_processes(verify_batch, rest, count, rate, take)
+        if not rest:
+            return rows, f"{count} processes"
+        how = "one thread (processes were slower)"
+    if how.startswith("one thread"):
         for i in range(0, len(rest), ONE_THREAD_BATCH):
             take(verify_batch(rest[i : i + ONE_THREAD_BATCH]))
         return rows, how
-    # a few contiguous batches per worker: few hand-offs for tiny shards, balanced for big ones
-    size = max(1, min(64 if how == "threads" else 2048, len(rest) // (4 * count)))
-    batches = [rest[i : i + size] for i in range(0, len(rest), size)]
-    if how == "threads":
-        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="verify") as pool:
-            for done in pool.map(verify_batch, batches):
-                take(done)
-    else:
-        fork = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(count, mp_context=fork, initializer=_inherit, initargs=(verify_batch,)) as pool:
-            for done in pool.map(_run_inherited, batches):
-                take(done)
-    return rows, f"{count} {how}"
+    # a few contiguous batches per thread: few hand-offs for tiny shards, balanced for big ones
+    size = max(1, min(64, len(rest) // (4 * count)))
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="verify") as pool:
+        for done in pool.map(verify_batch, [rest[i : i + size] for i in range(0, len(rest), size)]):
+            take(done)
+    return rows, f"{count} threads"
+
+
+def _on_processes(
+    verify_batch: VerifyBatch, names: list[str], count: int, one_thread_rate: float, take: Callable[[list], None]
+) -> list[str]:
+    """Verify `names` on `count` forked processes, two batches in flight each, rows taken in order. Once the first
+    two rounds are back, no more batches are handed out when they ran below PROCESS_GAIN x `one_thread_rate`
+    (names/s, start-up included). Returns the names no process was given."""
+    size = max(1, min(PROCESS_BATCH, len(names) // (4 * count)))
+    batches = [names[i : i + size] for i in range(0, len(names), size)]
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(count, mp_context=fork, initializer=_inherit, initargs=(verify_batch,)) as pool:
+        t0 = time.perf_counter()
+        in_flight = deque(pool.submit(_run_inherited, b) for b in batches[: 2 * count])
+        handed, last, done_names, judged = len(in_flight), len(batches), 0, False
+        while in_flight:
+            done = in_flight.popleft().result()
+            take(done)
+            done_names += len(done)
+            if not judged and done_names >= 2 * count * size:
+                judged = True
+                if done_names / (time.perf_counter() - t0) < PROCESS_GAIN * one_thread_rate:
+                    last = handed  # other work holds the cores: what is not handed out yet stays on this thread
+            if handed < last:
+                in_flight.append(pool.submit(_run_inherited, batches[handed]))
+                handed += 1
+    return [n for b in batches[handed:] for n in b]
 
 
 def _inherit(verify_batch: VerifyBatch) -> None:

@@ -118,3 +118,15 @@ def small_run_config(workdir: Path, tiny: Path, **sections):
         wanted[name] = {**wanted.get(name, {}), **fields}
     update = {name: getattr(base, name).model_copy(update=fields) for name, fields in wanted.items()}
     return base.model_copy(update={"workdir": str(workdir), **update})
+
+
+def peak_memory_case(case: dict) -> dict:
+    """`python -m eyas.train.peak_memory CASE` in a process of its own (one torch thread): measured and planned
+    peaks of a training step of the case."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "eyas.train.peak_memory", json.dumps(case)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

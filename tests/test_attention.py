@@ -6,16 +6,12 @@ training step keeps grows linearly in the sample length where the eager one grow
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from draft_fixtures import ARCH, vocab_mapping
-from run_fixtures import REPO
+from run_fixtures import peak_memory_case
 
 from eyas.attention import causal_attention, ttt_attention
 from eyas.draft import build_draft
@@ -119,17 +115,7 @@ def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(impl):
 
 def activation_peak(case: dict) -> int:
     """The peak of a training step above the state it starts from (eyas.train.peak_memory, a process of its own)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "eyas.train.peak_memory", json.dumps(case)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = peak_memory_case(case)
     return result["measured_bytes"] - result["step_start_bytes"]
 
 

@@ -4,14 +4,10 @@ micro-batch budget; and the refusals a run gets when its facts are resolved, bef
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
-from run_fixtures import REPO
+from run_fixtures import REPO, peak_memory_case
 
 from eyas.config import load_run_config
 from eyas.train.memory_plan import (
@@ -52,18 +48,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_the_planned_peak_is_within_20_percent_of_the_measured_one(name):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    case = {**SMALL, **CASES[name]}
-    done = subprocess.run(
-        [sys.executable, "-m", "eyas.train.peak_memory", json.dumps(case)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = peak_memory_case({**SMALL, **CASES[name]})
     error = result["planned_bytes"] / result["measured_bytes"] - 1
     assert abs(error) <= 0.20, (name, result["planned_bytes"], result["measured_bytes"])
 

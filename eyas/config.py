@@ -245,7 +245,12 @@ class VerifyConfig(StrictModel):
     num_heal_rounds: int = Field(
         default=1, ge=0, le=5, description="quarantine + re-extract + verify again this many times before failing"
     )
-    num_workers: int = Field(default=0, ge=0, description="threads verifying shards in parallel; 0 = one per core")
+    num_workers: int = Field(
+        default=0,
+        ge=0,
+        description="workers verifying shards in parallel (threads in full mode and on S3, forked processes for "
+        "cheap mode's header parsing when that is faster); 0 = one per core",
+    )
     chunk_bytes: int = Field(
         default=512 << 10, ge=1 << 16, description="bytes each thread reads at a time (512 KiB fits a core's cache)"
     )

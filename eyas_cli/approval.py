@@ -1,4 +1,8 @@
-"""Answering the approval gate from the terminal or the command line."""
+"""Answering the approval gate from the terminal or the command line.
+
+Prefect is imported inside the functions: `eyas approve` checks the id and points PREFECT_API_URL at eyas's
+server (eyas_cli.server.connect) before Prefect reads its settings, which it does once, at import.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,6 @@ import threading
 import time
 from pathlib import Path
 from uuid import UUID
-
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId, FlowRunFilterTags
-from prefect.flow_runs import resume_flow_run
 
 
 def check_run_id(run_id: str | UUID) -> UUID:
@@ -30,7 +30,9 @@ def check_run_id(run_id: str | UUID) -> UUID:
 
 def approve_run(run_id: str | UUID, *, approve: bool, reviewer: str, note: str = "") -> None:
     """Resume a run paused at the gate; refuses a run that is not waiting."""
+    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
+    from prefect.flow_runs import resume_flow_run
 
     from eyas_cli.errors import UserError
 
@@ -80,6 +82,9 @@ class GateWatcher(threading.Thread):
             time.sleep(1.0)
 
     def _top_run(self):
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId, FlowRunFilterTags
+
         flt = FlowRunFilter(
             tags=FlowRunFilterTags(all_=[self.tag]), parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True)
         )
@@ -118,6 +123,8 @@ class GateWatcher(threading.Thread):
 
     def _ask_unless_answered_elsewhere(self, run_id, prompt: str) -> str | None:
         """Read a line from the terminal; None once the run is no longer paused (UI or `eyas approve`)."""
+        from prefect.client.orchestration import get_client
+
         print(prompt, end="", flush=True)
         while True:
             readable, _, _ = select.select([sys.stdin], [], [], 1.0)

@@ -242,12 +242,13 @@ def show_status(run: str, as_json: bool) -> int:
     config, a workdir, or a flow-run id (whose config the server knows)."""
     from eyas.status.report import format_json, run_status
     from eyas_cli.errors import UserError
-    from eyas_cli.server import healthy, known_api_url
+    from eyas_cli.server import check_prefect_points_at, healthy, known_api_url
 
     api = known_api_url()
     answers = api is not None and healthy(api)
     if answers:
         os.environ["PREFECT_API_URL"] = api  # before prefect is imported
+        check_prefect_points_at(api)
     target = run
     if looks_like_run_id(run):
         if not answers:

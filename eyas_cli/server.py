@@ -152,7 +152,25 @@ def ui_url(api_url: str) -> str:
 def connect() -> str:
     """The server every eyas command uses: PREFECT_API_URL, or the local one (state in EYAS_STATE_DIR, default
     .eyas/ in the repository), started when none answers."""
-    return ensure_server(Path(os.environ.get("EYAS_STATE_DIR", REPO / ".eyas")) / "prefect")
+    api = ensure_server(Path(os.environ.get("EYAS_STATE_DIR", REPO / ".eyas")) / "prefect")
+    check_prefect_points_at(api)
+    return api
+
+
+def check_prefect_points_at(api_url: str) -> None:
+    """Prefect reads PREFECT_API_URL once, when it is imported: a command that imported it before choosing the
+    server would talk to another one (without a URL, a throw-away server Prefect starts itself). A bug in eyas,
+    raised at once rather than answered by the wrong server."""
+    if "prefect.context" not in sys.modules:
+        return  # not imported yet: it reads the variable just set
+    from prefect.settings import get_current_settings
+
+    reads = get_current_settings().api.url
+    if (reads or "").rstrip("/") != api_url.rstrip("/"):
+        raise RuntimeError(
+            f"prefect was imported before eyas chose its server: it reads PREFECT_API_URL={reads}, not {api_url}; "
+            "import prefect only after eyas_cli.server.connect() (or known_api_url()) has set the variable"
+        )
 
 
 def known_api_url() -> str | None:

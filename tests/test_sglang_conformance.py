@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from sglang_conformance import REPO, TINY_DRAFT_CONFIG, SglangRefused, kit_python_env, resolved_server_info
 
 from eyas.bench.sglang import lint_launch_command
@@ -60,7 +60,7 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 
 
 def extract_argv(target: Path, aux_layer_ids: list[int], capture_dir="/shared/capture", **cfg) -> list[str]:
-    config = SGLangExtractConfig(tp_size=8, **cfg)
+    config = SGLangExtractConfig(**{"tp_size": 8, **cfg})
     return build_extract_command(config, target_path=str(target), aux_layer_ids=aux_layer_ids, capture_dir=capture_dir)
 
 
@@ -184,15 +184,60 @@ def test_engine_command_prints_what_sglang_accepts_for_every_stage(sglang_kit, t
 
 LAYER_CASES = [("llama-32", [3, 10, 20]), ("llama-32", [2, 16, 29]), ("deepseek-v3-61", [3, 30, 58]),
                ("deepseek-v3-61", [2, 30, 58]), ("deepseek-v3-61", [2, 31, 60])]  # fmt: skip
+KIMI_TEXT = {  # a DeepSeek-V3 text model (MLA + MoE) small enough for CPU, with Kimi-K2.5's config keys
+    **DEEPSEEK_V3, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 6,
+    "first_k_dense_replace": 1, "n_routed_experts": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 512, "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}  # fmt: skip
+KIMI_VISION = {"vt_hidden_size": 32, "vt_num_hidden_layers": 1, "vt_num_attention_heads": 2,
+               "vt_intermediate_size": 64, "mm_hidden_size": 32, "text_hidden_size": 64}  # fmt: skip
 
 
-def test_the_capture_hook_in_sglangs_own_objects_writes_the_hf_rows(tmp_path, targets):
+@pytest.fixture(scope="module")
+def kimi_target(tmp_path_factory) -> Path:
+    """A Kimi-K2.5-shaped target: the kimi_k25 wrapper's config keys around a DeepSeek-V3 text model, its weights
+    under `language_model.`, a vision tensor beside them."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out = tmp_path_factory.mktemp("kimi-k25")
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": KIMI_TEXT, "vision_config": KIMI_VISION, "media_placeholder_token_id": 500,
+              "tie_word_embeddings": False}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    text = DeepseekV3ForCausalLM(DeepseekV3Config(**KIMI_TEXT))
+    weights = {f"language_model.{name}": t.contiguous() for name, t in text.state_dict().items()}
+    save_file(
+        {**weights, "vision_tower.patch_embed.proj.weight": torch.zeros(32, 3, 14, 14)}, str(out / "model.safetensors")
+    )
+    return out
+
+
+def kimi_text_features(target: Path, samples, ids: list[int]):
+    """(aux, last) per sample from transformers' DeepseekV3ForCausalLM with the wrapper's text weights."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**KIMI_TEXT)).eval()
+    weights = load_file(str(target / "model.safetensors"))
+    model.load_state_dict({n.removeprefix("language_model."): t for n, t in weights.items() if
+                           n.startswith("language_model.")})  # fmt: skip
+    with torch.no_grad():
+        hidden = [model(input_ids=torch.tensor([s]), output_hidden_states=True).hidden_states for s in samples]
+    return [(torch.cat([hs[i][0] for i in ids], dim=-1), hs[-1][0]) for hs in hidden]
+
+
+def test_the_capture_hook_in_sglangs_own_model_classes_writes_the_hf_rows(tmp_path, targets, kimi_target):
+    """The Llama target and the Kimi-K2.5 wrapper, each through SGLang's own forward path
+    (tests/sglang_kit/capture_check.py): for Kimi the logits processor gets input_ids=None
+    (general_mm_embed_routine embeds the text-only request itself) and the hook takes the ForwardBatch's."""
     samples = [[5, 17, 300, 2, 9], [100, 101, 102], [7, 7, 7, 7]]
     rids = ["eyas-a", "health-check", "eyas-c"]
+    runs = {"llama": (TINY, [2, 4, 5]), "kimi": (kimi_target, [2, 3, 4])}
     request = {
-        "target": str(TINY), "engine_ids": [1, 3, 4], "hook_specs": hook_spec(tmp_path / "unused"),
-        "samples": samples, "rids": rids,
-        "capture_dirs": {"0": str(tmp_path / "rank0"), "1": str(tmp_path / "rank1")},
+        "targets": [{"argv": extract_argv(path, aux, tmp_path / "unused", tp_size=1)[3:], "samples": samples,
+                     "rids": rids, "capture_dirs": {r: str(tmp_path / name / f"rank{r}") for r in ("0", "1")}}
+                    for name, (path, aux) in runs.items()],
         # the ids eyas sends for these canonical ids, then SGLang's own choice of layers for them
         "layer_cases": [{"model": str(targets[name]), "ids": engine_layer_ids(ids, targets[name])[0]}
                         for name, ids in LAYER_CASES] + [{"model": str(targets["deepseek-v3-61"]), "ids": None}],
@@ -205,19 +250,27 @@ def test_the_capture_hook_in_sglangs_own_objects_writes_the_hf_rows(tmp_path, ta
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
-    # SGLang's own set_eagle3_layers_to_capture: the canonical ids the run asked for
-    assert result["layers_to_capture"] == [2, 4, 5]
+    llama, kimi = result["targets"]
     assert result["cases"] == [ids for _, ids in LAYER_CASES] + [[2, 30, 58]]  # last: SGLang's default
-    assert result["same_signature"] and result["registered"] == 1
-    assert result["written"]["0"] == {"DECODE": [], "TARGET_VERIFY": [], "EXTEND": ["eyas-a.safetensors",
-                                                                                       "eyas-c.safetensors"]}  # fmt: skip
-    assert result["written"]["1"] == {"DECODE": [], "TARGET_VERIFY": [], "EXTEND": []}
+    assert (llama["model_class"], llama["hooked_module"]) == ("LlamaForCausalLM", ["logits_processor"])
+    assert (kimi["model_class"], kimi["hooked_module"]) == ("KimiK25ForConditionalGeneration",
+                                                            ["language_model.logits_processor"])  # fmt: skip
+    assert llama["logits_processor_input_ids"] == ["tensor"] * 3 and kimi["logits_processor_input_ids"] == [None] * 3
+    # SGLang's own set_eagle3_layers_to_capture: the canonical ids the run asked for
+    assert llama["layers_to_capture"] == [2, 4, 5] and kimi["layers_to_capture"] == [2, 3, 4]
+    for run in (llama, kimi):
+        assert run["registered"] == 1
+        assert run["written"] == {"0": {"DECODE": [], "TARGET_VERIFY": [], "EXTEND": ["eyas-a.safetensors",
+                                                                                      "eyas-c.safetensors"]},
+                                  "1": {"DECODE": [], "TARGET_VERIFY": [], "EXTEND": []}}  # fmt: skip
     hf = HFBackend(str(TINY), target_dtype="float32", aux_layer_ids=[2, 4, 5], hidden_size=128, device="cpu")
-    feats = hf.features([torch.tensor(s) for s in samples])
-    for rid, ids, (aux, last) in zip(rids, samples, feats):
-        if not rid.startswith("eyas-"):
-            continue
-        written = load_file(str(tmp_path / "rank0" / f"{rid}.safetensors"))
-        assert written["input_ids"].tolist() == ids
-        torch.testing.assert_close(written["aux"], aux, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(written["last"], last, atol=1e-5, rtol=1e-4)
+    expected = {"llama": hf.features([torch.tensor(s) for s in samples]),
+                "kimi": kimi_text_features(kimi_target, samples, [2, 3, 4])}  # fmt: skip
+    for name in runs:
+        for rid, ids, (aux, last) in zip(rids, samples, expected[name]):
+            if not rid.startswith("eyas-"):
+                continue
+            written = load_file(str(tmp_path / name / "rank0" / f"{rid}.safetensors"))
+            assert written["input_ids"].tolist() == ids
+            torch.testing.assert_close(written["aux"], aux, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(written["last"], last, atol=1e-5, rtol=1e-4)

@@ -11,7 +11,11 @@ model_runner_components/cuda_graph_setup.py `finalize_cuda_graph_capture`), and 
 defines it:
 - `args`: LogitsProcessor.forward(input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states, ...)
   (layers/logits_processor.py), called positionally by the models (models/llama.py, deepseek_v2.py):
-  args[0] the batch's token ids [T], args[3] the ForwardBatch.
+  args[0] the batch's token ids [T], args[3] the ForwardBatch. args[0] is None under a multimodal wrapper
+  that embeds the tokens itself: KimiK25ForConditionalGeneration.forward (models/kimi_k25.py) goes through
+  `general_mm_embed_routine` (managers/mm_utils.py), which calls the DeepSeek language model with
+  input_ids=None, and DeepseekV2ForCausalLM.forward passes that on. The ids are then the ForwardBatch's
+  `input_ids`, the ones the runner gave the wrapper (model_executor/runner/eager_runner.py).
 - ForwardBatch (model_executor/forward_batch_info.py): `forward_mode` (ForwardMode.EXTEND for a prefill;
   `is_extend()` is also true for MIXED and TARGET_VERIFY, so the name is compared), `rids` (one per request),
   `extend_seq_lens_cpu` (tokens computed per request), `extend_prefix_lens_cpu` (0 without a prefix cache).
@@ -24,8 +28,10 @@ The hook writes on TP rank 0 only (every rank sees the same rows), for requests 
 `rid_prefix`, one safetensors file per request `<dir>/<rid>.safetensors` with `input_ids` [t] int64, `aux`
 [t, n_aux*H] and `last` [t, H] in the model's dtype: written under a temporary name, then renamed, by one
 writer thread (the forward waits only for the copy to host memory; at most WRITE_QUEUE files wait). Anything
-it cannot read as above raises CaptureError, which stops the server: a drift in SGLang's internals fails the
-first request, it does not write wrong features. torch and safetensors only: it runs inside the server.
+it cannot read as above raises CaptureError, whatever the underlying exception, and SGLang's scheduler then stops
+the server ("Scheduler hit an exception", managers/scheduler.py): a drift in SGLang's internals fails the first
+request, it does not write wrong features. The message is also written to `<dir>/capture-error.txt`, so that
+eyas quotes it even for a server whose log it cannot read. torch and safetensors only: it runs inside the server.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from safetensors.torch import save_file
 WRITE_QUEUE = 8
 RID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 FILE_SUFFIX = ".safetensors"
+ERROR_FILE = "capture-error.txt"  # the hook's last CaptureError, for the client (eyas.extract.backends.sglang)
 
 
 class CaptureError(RuntimeError):
@@ -74,6 +81,17 @@ class CaptureHook:
         self.error: BaseException | None = None
 
     def __call__(self, module, args, output):
+        try:
+            return self._capture(args, output)
+        except CaptureError as err:
+            self._record(err)
+            raise
+        except Exception as err:  # noqa: BLE001 -- whatever broke, the server stops with one CaptureError
+            error = unexpected_error(module, args, err)
+            self._record(error)
+            raise error from err
+
+    def _capture(self, args, output):
         forward_batch = args[3]
         if getattr(forward_batch.forward_mode, "name", None) != "EXTEND":
             return None  # decode, verify, mixed and idle forwards carry no prompt
@@ -90,7 +108,13 @@ class CaptureHook:
         return None
 
     def _split(self, args, output, rids, forward_batch):
-        aux, last, ids = output.hidden_states, output.last_hidden_states, args[0]
+        aux, last = output.hidden_states, output.last_hidden_states
+        ids = args[0] if args[0] is not None else forward_batch.input_ids  # None: a wrapper embedded the tokens
+        if ids is None:
+            raise CaptureError(
+                "capture hook: LogitsProcessor.forward's input_ids and ForwardBatch.input_ids are both None in a "
+                "prefill; expected the batch's token ids in one of them"
+            )
         if aux is None or last is None:
             raise CaptureError(
                 "capture hook: LogitsProcessorOutput.hidden_states or .last_hidden_states is None in a prefill; "
@@ -133,16 +157,41 @@ class CaptureHook:
                 temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
                 save_file(tensors, str(temp))
                 os.replace(temp, path)
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 -- the next forward raises it as a CaptureError
                 self.error = err
             finally:
                 self._queue.task_done()
+
+    def _record(self, err: CaptureError) -> None:
+        """Write the error beside the captures (atomically), where the client looks when the server stops."""
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            temp = self.out_dir / f".{ERROR_FILE}.{os.getpid()}.tmp"
+            temp.write_text(f"{type(err).__name__}: {err}\n")
+            os.replace(temp, self.out_dir / ERROR_FILE)
+        except OSError as record_err:  # the raise that follows stops the server either way; its log has both
+            err.add_note(f"(not recorded in {self.out_dir / ERROR_FILE}: {record_err})")
 
     def flush(self) -> None:
         """Wait until every queued file is written (tests; the server never waits)."""
         self._queue.join()
         if self.error is not None:
             raise CaptureError(f"capture hook: writing to {self.out_dir} failed") from self.error
+
+
+def unexpected_error(module, args, err: Exception) -> CaptureError:
+    """A CaptureError naming what the hook was reading when `err` (not one of its own checks) was raised."""
+    batch = args[3] if isinstance(args, tuple) and len(args) > 3 else None
+    mode = getattr(getattr(batch, "forward_mode", None), "name", None)
+    rids = list(getattr(batch, "rids", None) or [])
+    shown = ", ".join(rids[:4]) + (f", ... ({len(rids)} in all)" if len(rids) > 4 else "")
+    return CaptureError(
+        f"capture hook: {type(err).__name__}: {err}, reading the forward of {type(module).__name__} "
+        f"({len(args) if isinstance(args, tuple) else '?'} positional args, forward_mode {mode}, rids [{shown}]); "
+        "expected LogitsProcessor.forward's (input_ids, hidden_states, lm_head, ForwardBatch, aux_hidden_states) "
+        "and a LogitsProcessorOutput as SGLang 0.5.23 passes them: this server's SGLang passes something else; "
+        "check eyas.extract.capture_hook against its version"
+    )
 
 
 def make_hook(config: dict) -> CaptureHook:

@@ -33,10 +33,18 @@ port it really listens on). What it imitates, each from the named SGLang functio
   `_build_flat_top_logprobs_fields_from_arrays` (`{side}_top_logprobs_val_flat_b64` / `_idx_flat_b64`, their
   `_dtype` markers, `_shape` [rows, k], `_null_prefix`) in place of the nested lists of that side.
 
+- an exception in the forward (a forward hook's included): managers/scheduler.py `run_scheduler_process`
+  logs "Scheduler hit an exception: <traceback>" and sends SIGQUIT to the server, whose handler
+  (entrypoints/engine.py `launch_phase_sigquit_handler`) logs "Received sigquit from a child process. It
+  usually means the child failed." and kills the process tree: the request in flight gets no answer. The
+  double prints the same lines to its stderr (the server log), then kills itself (command line) or stops
+  serving and drops the connection (in a thread).
+
 Modes that misbehave (argument `mode`, or EYAS_SGLANG_EXTRACT_DOUBLE_MODE for the command line): ok;
 no_hook (never calls forward hooks, as a prefill replayed from a CUDA graph); drift_aux (the JSON hidden
 states differ from what the hook sees, as if SGLang's fields moved); drift_last (the hook's
-last_hidden_states are pre-norm); old_version (reports version 0.5.22); http_500; slow (3 s per answer).
+last_hidden_states are pre-norm); drift_batch (the hook's ForwardBatch has no extend_seq_lens_cpu, as if a
+release renamed it); old_version (reports version 0.5.22); http_500; slow (3 s per answer).
 """
 
 from __future__ import annotations
@@ -47,9 +55,12 @@ import fnmatch
 import functools
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
+import traceback
+import types
 import uuid
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -62,7 +73,7 @@ from eyas.target import load_target, target_features
 from tests.json_handler import JsonHandler
 from tests.sglang_conformance import SglangRefused, resolved_server_info
 
-MODES = ("ok", "no_hook", "drift_aux", "drift_last", "old_version", "http_500", "slow")
+MODES = ("ok", "no_hook", "drift_aux", "drift_last", "drift_batch", "old_version", "http_500", "slow")
 OLD_VERSION = "0.5.22"
 NOT_CONFIGURED = (
     "The server is not configured to return the hidden states. "
@@ -140,6 +151,9 @@ class HiddenStateModel:
         stored = aux if self.aux_mode else last
         if self.hooks and self.mode != "no_hook":
             batch = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor(ids), [rid], [len(ids)], [0])
+            if self.mode == "drift_batch":
+                kept = {k: v for k, v in vars(batch).items() if k != "extend_seq_lens_cpu"}
+                batch = types.SimpleNamespace(**kept, extend_seq_lens_cpu_v2=[len(ids)])
             hook_last = aux[:, -last.shape[1] :] if self.mode == "drift_last" else last
             out = LogitsProcessorOutput(logits[-1:], hidden_states=stored, last_hidden_states=hook_last)
             args = (torch.tensor(ids), last, self.model.lm_head, batch, None)
@@ -199,7 +213,16 @@ def flat_top_logprobs(side: str, rows: list, k: int, b64: bool) -> dict:
     return fields
 
 
-def make_handler(info: dict, mode: str, model: HiddenStateModel):
+def scheduler_failed(stop) -> None:
+    """What SGLang does when its forward raises (see the module docstring); `stop` ends the server."""
+    stamp = time.strftime("[%Y-%m-%d %H:%M:%S]")
+    print(f"{stamp} Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
+    print(f"{stamp} Received sigquit from a child process. It usually means the child failed.", file=sys.stderr,
+          flush=True)  # fmt: skip
+    stop()
+
+
+def make_handler(info: dict, mode: str, model: HiddenStateModel, stop):
     class Handler(JsonHandler):
         def do_GET(self):
             if self.path == "/health":
@@ -221,16 +244,33 @@ def make_handler(info: dict, mode: str, model: HiddenStateModel):
                 return self._send(500, {"error": {"message": "CUDA out of memory (double told to fail: http_500)"}})
             if mode == "slow":
                 time.sleep(3)
-            self._send(200, model.answer(body))
+            try:
+                answer = model.answer(body)
+            except Exception:  # noqa: BLE001 -- as SGLang's scheduler: any forward error stops the server
+                self.close_connection = True
+                return scheduler_failed(lambda: stop(self.server))
+            self._send(200, answer)
 
     return Handler
 
 
-def make_server(argv: list[str], mode: str) -> ThreadingHTTPServer:
+def kill_process_tree(server) -> None:  # utils/common.py kill_process_tree(os.getpid()): the server is gone
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_serving(server) -> None:  # in a thread of the test process: the port stops answering
+    def stop():
+        server.shutdown()
+        server.server_close()
+
+    threading.Thread(target=stop, daemon=True).start()
+
+
+def make_server(argv: list[str], mode: str, stop=kill_process_tree) -> ThreadingHTTPServer:
     if mode not in MODES:
         raise ValueError(f"double mode {mode!r}: expected one of {MODES}")
     info = resolved_server_info(argv)  # SglangRefused: SGLang's own message
-    server = ThreadingHTTPServer(parse_port(argv), make_handler(info, mode, HiddenStateModel(info, mode)))
+    server = ThreadingHTTPServer(parse_port(argv), make_handler(info, mode, HiddenStateModel(info, mode), stop))
     info["port"] = server.server_address[1]
     server.daemon_threads = True
     return server
@@ -239,7 +279,8 @@ def make_server(argv: list[str], mode: str) -> ThreadingHTTPServer:
 @contextlib.contextmanager
 def serve_extract_double(model_path, *, flags: list[str], mode: str = "ok"):
     """The double on a free port of 127.0.0.1, in a thread; yields its base URL."""
-    server = make_server(["--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0", *flags], mode)
+    argv = ["--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0", *flags]
+    server = make_server(argv, mode, stop=stop_serving)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -1,13 +1,38 @@
-"""`eyas inspect`: the audit reads headers and config only and names every problem."""
+"""`eyas inspect`: the audit reads headers and config only and names every problem; `--target T` refuses a drafter
+that does not fit T; without it, layer ids are read in the numbering eyas's export recorded."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 from draft_fixtures import write_checkpoint
+from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, save_file
 
+from eyas.export.configs import TargetRef
 from eyas.export.convert import export_sglang
 from eyas.export.inspect import inspect_drafter
 from eyas_cli.main import main
+
+KIMI_WRAPPER = "KimiK25ForConditionalGeneration"
+
+
+def write_target(out: Path, *, layers: int = 8, hidden: int = 64, vocab: int = 2048, kimi: bool = False) -> Path:
+    """A target as inspect reads it: config.json (a Llama's, or the Kimi-K2.5 wrapper's with its text model in
+    text_config) and a weight file holding only the input embedding (under the wrapper's prefix for Kimi)."""
+    out.mkdir(parents=True)
+    text = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}
+    text.update(hidden_size=hidden, vocab_size=vocab)
+    embed = "model.embed_tokens.weight"
+    if kimi:
+        text.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+        config, embed = (
+            {"architectures": [KIMI_WRAPPER], "model_type": "kimi_k25", "text_config": text},
+            f"language_model.{embed}",
+        )
+    (out / "config.json").write_text(json.dumps(config if kimi else text))
+    save_numpy({embed: np.zeros((vocab, hidden), np.float16)}, str(out / "model.safetensors"))
+    return out
 
 
 def test_clean_export_has_no_problems(tmp_path, capsys):
@@ -81,4 +106,60 @@ def test_an_eyas_checkpoint_without_arch_fields_is_a_problem(tmp_path):
     (ckpt / "arch.json").write_text(json.dumps(meta))
     assert inspect_drafter(ckpt).problems == [
         f"{ckpt}/arch.json: arch lacks ['head_dim']; expected every DraftArch field: re-save it from training"
+    ]
+
+
+def test_target_with_another_hidden_size_is_refused_naming_both(tmp_path, tiny_target_dir, capsys):
+    out = export_sglang(write_checkpoint(tmp_path / "step-00000010"), tmp_path / "export")
+    report = inspect_drafter(out, target=tiny_target_dir)
+    assert report.problems == [
+        f"hidden_size 64 (the drafter's; fc takes 3 x 64), expected 128, the hidden size of target {tiny_target_dir}: "
+        "train a drafter for this target, or pass the target the drafter was trained for (--target)"
+    ]
+    assert main(["inspect", str(out), "--target", str(tiny_target_dir)]) == 1
+    assert "  - hidden_size 64 (the drafter's; fc takes 3 x 64), expected 128" in capsys.readouterr().out
+
+
+def test_target_with_another_vocab_or_too_few_layers_is_refused(tmp_path):
+    out = export_sglang(write_checkpoint(tmp_path / "step-00000010"), tmp_path / "export")
+    assert inspect_drafter(out, target=write_target(tmp_path / "same")).ok  # the drafter's own shape: no problem
+    target = write_target(tmp_path / "other", layers=5, vocab=4096)
+    layers, vocab = inspect_drafter(out, target=target).problems
+    assert vocab == (
+        f"target vocab 2048 (the drafter's vocab_size, the length of its t2d), expected 4096, the rows of the input "
+        f"embedding model.embed_tokens.weight of target {target}: train a drafter for this target, or pass the "
+        "target the drafter was trained for (--target)"
+    )
+    assert layers.startswith("aux layer ids (canonical [2, 4, 5]): [5] fall outside 1..4, what sglang can capture")
+
+
+def test_export_records_the_numbering_and_inspect_reads_ids_in_it(tmp_path):
+    kimi = write_target(tmp_path / "kimi", kimi=True)
+    ckpt = write_checkpoint(tmp_path / "step-00000010", aux_ids=[3, 4, 5])
+    out = export_sglang(ckpt, tmp_path / "export", target=TargetRef.read(kimi))
+    provenance = json.loads((out / "eyas_export.json").read_text())
+    assert provenance["config_layer_id_convention"] == "sglang_deepseek"
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        3,
+        4,
+        5,
+    ]
+    report = inspect_drafter(out)  # no --target: Kimi's numbering, from eyas_export.json, not Llama's ([4, 5, 6])
+    assert report.ok, report.problems
+    assert "layer ids read in sglang_deepseek numbering, which eyas_export.json records the export wrote them in" in (
+        " ".join(report.notes)
+    )
+    assert inspect_drafter(out, target=kimi).ok
+
+
+def test_drafter_exported_for_another_family_s_numbering_is_refused_with_the_re_export(tmp_path):
+    kimi = write_target(tmp_path / "kimi", kimi=True)
+    ckpt = write_checkpoint(tmp_path / "step-00000010", aux_ids=[3, 4, 5])
+    out = export_sglang(ckpt, tmp_path / "export", target=TargetRef.read(kimi))
+    llama = write_target(tmp_path / "llama")
+    assert inspect_drafter(out, target=llama).problems == [
+        f"aux layer ids [3, 4, 5] (sglang_llama, the numbering of target {llama}), expected [2, 3, 4]: the export wrote "
+        "canonical ids [3, 4, 5] in sglang_deepseek numbering (eyas_export.json), for a target of another family, "
+        "and SGLang would capture other layers of this one than the draft was trained on: re-export for this target "
+        f"(eyas remap {ckpt.resolve()} DST --to sglang --target {llama})"
     ]

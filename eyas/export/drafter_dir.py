@@ -3,7 +3,8 @@
     DIR/model.safetensors     the tensors, in the format's key names (eyas.export.keys); a drafter written
                               elsewhere may hold pytorch_model.bin instead (EAGLE official), read too
     DIR/config.json           the format's config (eyas.export.configs); arch.json + COMPLETE for the eyas format
-    DIR/eyas_export.json      provenance: format, source checkpoint, target fingerprint, canonical layer ids
+    DIR/eyas_export.json      provenance: format, source checkpoint, target fingerprint, canonical layer ids,
+                              and the numbering config.json's ids were written in (config_layer_id_convention)
 
 An export is written to a temporary directory and put in place whole (`write_export_dir`), so a crash
 never leaves a half-written export, and a directory that is not an earlier export is never replaced.
@@ -25,6 +26,7 @@ MODEL_FILE = "model.safetensors"
 BIN_FILE = "pytorch_model.bin"  # read, never written
 CONFIG_FILE = "config.json"
 PROVENANCE_FILE = "eyas_export.json"
+NUMBERING_KEY = "config_layer_id_convention"  # in PROVENANCE_FILE: the numbering of config.json's layer ids
 
 
 class ExportError(ValueError):
@@ -84,6 +86,24 @@ def write_export_dir(out: Path, tensors: dict, files: dict[str, dict | None]) ->
 def read_export_provenance(export_dir: str | Path) -> dict | None:
     """eyas_export.json of an eyas export, or None for a drafter written elsewhere."""
     return read_json_record(Path(export_dir) / PROVENANCE_FILE)
+
+
+def recorded_numbering(provenance: dict | None, fmt: str) -> str | None:
+    """The layer-id numbering (eyas.layer_ids.LAYER_ID_CONVENTIONS) eyas's export wrote config.json's ids in, as
+    eyas_export.json records it (SGLang's depends on the target's class, which the drafter does not name); None
+    when the drafter records none (written elsewhere, or by an eyas that did not record it) or its provenance is
+    of another format (edited after the export)."""
+    from eyas.layer_ids import LAYER_ID_CONVENTIONS
+
+    if not provenance or provenance.get("format") != fmt or NUMBERING_KEY not in provenance:
+        return None
+    numbering = provenance[NUMBERING_KEY]
+    if numbering not in LAYER_ID_CONVENTIONS:
+        raise ExportError(
+            f"{PROVENANCE_FILE}: {NUMBERING_KEY} {numbering!r}, expected one of {sorted(LAYER_ID_CONVENTIONS)}; "
+            "the file was edited or written by another tool: re-export the drafter (eyas remap)"
+        )
+    return numbering
 
 
 @dataclass

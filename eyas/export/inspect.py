@@ -9,10 +9,14 @@ pytorch_model.bin), the JSON files and the small d2t/t2d tensors are read; torch
 `--engine sglang<=0.5.11` (any key of ENGINES) also makes a problem of a drafter that engine version
 would not run as trained (e.g. `layers.0.*`, which SGLang <= 0.5.11 drops, or an option it ignores).
 
-Layer ids are checked where a sound reference exists: against eyas_export.json (the canonical ids
-the export was made from) and, given the target's layer count, for range and for the canonical
-default written where the destination expects the shifted form. Without either, a wrong
-convention cannot be told from a deliberate choice, and the report says nothing about it.
+Layer ids are read in the numbering of the target's class given --target (SGLang numbers a DeepSeek or
+Kimi target's ids otherwise than a Llama's), else in the one eyas's export recorded in eyas_export.json,
+else in the format's own (SGLang's: Llama's), which the report notes. They are checked where a sound
+reference exists: against eyas_export.json (the canonical ids the export was made from) and, given the
+target's layer count, for range and for the canonical default written where the destination expects the
+shifted form. Without either, a wrong convention cannot be told from a deliberate choice, and the report
+says nothing about it. Given --target, a drafter whose hidden size or vocab is not the target's is a
+problem too (those two come from eyas.target, which imports torch: only then).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from eyas.export.drafter_dir import (
     PROVENANCE_FILE,
     read_export_provenance,
     read_small_tensor,
+    recorded_numbering,
     tensor_shapes,
     weights_file,
 )
@@ -127,19 +132,14 @@ def inspect_drafter(
         raise ValueError(f"engine {engine!r}: unknown; expected one of {sorted(ENGINES)}")
     ref = TargetRef.read(target) if target is not None else None
     num_target_layers = num_target_layers or (ref.num_layers if ref else None)
-    architectures = list(ref.architectures) if ref else None
     root = Path(path)
     weights = weights_file(root)
     shapes = tensor_shapes(weights)
     producer = identify_producer(root, shapes)
     config = json.loads((root / ("arch.json" if producer.format == "eyas" else "config.json")).read_text())
     report = InspectReport(root, producer, shapes, config)
-    convention = format_convention(producer.format, architectures)
-    if convention == "sglang_llama" and architectures is None:
-        report.notes.append(
-            "layer ids read in sglang_llama numbering (a Llama/Qwen target); for a DeepSeek or Kimi target pass "
-            "the target (--target), whose SGLang numbering differs"
-        )
+    provenance = read_export_provenance(root)
+    convention = _numbering(report, ref, provenance)
     arch, ids = _read_arch(report, convention)
     if arch is None:
         return report
@@ -156,16 +156,82 @@ def inspect_drafter(
         d2t, t2d = read_small_tensor(weights, "d2t"), read_small_tensor(weights, "t2d")
         report.problems += vocab_mapping_problems(d2t, t2d, arch.draft_vocab_size)
     fmt = report.format
-    provenance = read_export_provenance(root)
     if provenance is not None and provenance.get("format") != fmt:
         report.problems.append(
             f"{PROVENANCE_FILE} says format {provenance.get('format')!r}, the files read as {fmt!r}: they were "
             "edited after the export; re-export (eyas remap) rather than editing keys or config by hand"
         )
-    report.problems += layer_id_problems(fmt, ids, provenance, num_target_layers, convention)
+    report.problems += layer_id_problems(fmt, ids, provenance, num_target_layers, convention, target=ref)
+    if ref is not None:
+        problems, notes = target_fit_problems(arch, ref)
+        report.problems += problems
+        report.notes += notes
     if engine is not None and not report.engines.get(engine, False):
         report.problems += engine_problems(report, arch, shapes, engine)
     return report
+
+
+def _numbering(report: InspectReport, ref: TargetRef | None, provenance: dict | None) -> str:
+    """The numbering the config's layer ids are read in: the target's class's (--target), else the one eyas's
+    export recorded, else the format's own, which a note names."""
+    fmt = report.format
+    if ref is not None:
+        return format_convention(fmt, list(ref.architectures))
+    recorded = recorded_numbering(provenance, fmt)
+    if recorded is not None:
+        if recorded != format_convention(fmt):
+            report.notes.append(
+                f"layer ids read in {recorded} numbering, which {PROVENANCE_FILE} records the export wrote them in "
+                f"({LAYER_ID_CONVENTIONS[recorded].description})"
+            )
+        return recorded
+    convention = format_convention(fmt)
+    if convention == "sglang_llama":
+        report.notes.append(
+            f"layer ids read in sglang_llama numbering (a Llama/Qwen target), as no {PROVENANCE_FILE} records the "
+            "numbering; for a DeepSeek or Kimi target pass the target (--target), whose SGLang numbering differs"
+        )
+    return convention
+
+
+def target_fit_problems(arch: SimpleNamespace, ref: TargetRef) -> tuple[list[str], list[str]]:
+    """(problems, notes): a drafter whose hidden size or vocab is not the target's (--target), whose fc, embedding
+    and vocab mapping would not fit the states and tokens the target gives; a note for what the target's files do
+    not say (a config.json without weights gives no embedding rows)."""
+    hidden, vocab, vocab_source = _target_shape(ref)
+    where = f"target {ref.path}"
+    fix = "train a drafter for this target, or pass the target the drafter was trained for (--target)"
+    problems, notes = [], []
+    if hidden is None:
+        notes.append(f"{where}: config.json gives no hidden_size; the drafter's hidden size is not checked")
+    elif arch.hidden_size != hidden:
+        problems.append(
+            f"hidden_size {arch.hidden_size} (the drafter's; fc takes {arch.num_aux} x {arch.hidden_size}), "
+            f"expected {hidden}, the hidden size of {where}: {fix}"
+        )
+    if vocab is None:
+        notes.append(f"{where}: neither weights nor config.json give the vocab; the drafter's vocab is not checked")
+    elif arch.target_vocab_size != vocab:
+        problems.append(
+            f"target vocab {arch.target_vocab_size} (the drafter's vocab_size, the length of its t2d), expected "
+            f"{vocab}, {vocab_source} of {where}: {fix}"
+        )
+    return problems, notes
+
+
+def _target_shape(ref: TargetRef) -> tuple[int | None, int | None, str]:
+    """(hidden size, vocab, where the vocab comes from) of the target's text model: the vocab is the rows of its
+    input embedding in the weight headers (what training takes), else config.json's vocab_size."""
+    config = json.loads((Path(ref.path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    vocab, source = text.get("vocab_size"), "the vocab_size in config.json"
+    if any(Path(ref.path).glob("*.safetensors")):
+        from eyas.target import find_weight  # imports torch: only for a target with weights
+
+        found = find_weight(ref.path, "embed_tokens.weight")
+        if found is not None:
+            vocab, source = int(found[2]["shape"][0]), f"the rows of the input embedding {found[1]}"
+    return text.get("hidden_size"), vocab, source
 
 
 def engine_problems(report: InspectReport, arch: SimpleNamespace, shapes: dict, engine: str) -> list[str]:
@@ -265,21 +331,18 @@ def layer_id_problems(
     provenance: dict | None,
     num_target_layers: int | None,
     convention: str | None = None,
+    *,
+    target: TargetRef | None = None,
 ) -> list[str]:
-    """Layer ids in the wrong convention, judged against eyas_export.json and the target's layer count."""
+    """Layer ids in the wrong convention, judged against eyas_export.json and the target's layer count;
+    `target` (--target) names the target whose numbering `convention` is."""
     if canonical is None:
         return []
     convention = convention or get_format(fmt).layer_id_convention
     engine = to_engine_layer_ids(canonical, convention) if fmt != "eyas" else canonical
     problems = []
     if provenance and provenance.get("format") == fmt and "aux_layer_ids" in provenance:
-        expected = to_engine_layer_ids(list(provenance["aux_layer_ids"]), convention)
-        if engine != expected:
-            problems.append(
-                f"aux layer ids {engine} ({convention}), expected {expected}: {PROVENANCE_FILE} records canonical "
-                f"ids {provenance['aux_layer_ids']}, which are {expected} in {convention}; the config was written in "
-                f"another convention ({LAYER_ID_CONVENTIONS[convention].description}): re-export with eyas remap"
-            )
+        problems += _provenance_problems(fmt, engine, provenance, convention, target)
     if num_target_layers is None:
         return problems
     problems += layer_range_problems(fmt, canonical, num_target_layers)
@@ -291,3 +354,31 @@ def layer_id_problems(
             "for those layers: canonical ids were written without conversion; re-export with eyas remap"
         )
     return problems
+
+
+def _provenance_problems(fmt: str, engine: list[int], provenance: dict, convention: str, target) -> list[str]:
+    """The config's ids against the canonical ids eyas_export.json records, read in `convention`."""
+    recorded, written = list(provenance["aux_layer_ids"]), recorded_numbering(provenance, fmt)
+    for_target = f"target {target.path} " if target is not None else ""
+    try:
+        expected = to_engine_layer_ids(recorded, convention)
+    except ValueError as err:
+        return [
+            f"aux layer ids: {PROVENANCE_FILE} records canonical ids {recorded}, which {for_target}numbering "
+            f"{convention} cannot express ({err}): retrain with other aux layer ids for this target"
+        ]
+    if engine == expected:
+        return []
+    if target is not None and written not in (None, convention):
+        return [
+            f"aux layer ids {engine} ({convention}, the numbering of {for_target.strip()}), expected {expected}: "
+            f"the export wrote canonical ids {recorded} in {written} numbering ({PROVENANCE_FILE}), for a target "
+            f"of another family, and SGLang would capture other layers of this one than the draft was trained on: "
+            f"re-export for this target (eyas remap {provenance.get('source_checkpoint') or 'CHECKPOINT'} DST --to "
+            f"{fmt} --target {target.path})"
+        ]
+    return [
+        f"aux layer ids {engine} ({convention}), expected {expected}: {PROVENANCE_FILE} records canonical "
+        f"ids {recorded}, which are {expected} in {convention}; the config was written in "
+        f"another convention ({LAYER_ID_CONVENTIONS[convention].description}): re-export with eyas remap"
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -119,12 +120,11 @@ def reference_outputs(config, ref: Path, log) -> subprocess.Popen:
     job = train_job(apply_overrides(config, {"num_epochs": NUM_EPOCHS}), facts, output_dir=ref / "train")
     (ref / "job.json").write_text(job.model_copy(update={"shards_dir": str(ref / "shards")}).model_dump_json())
     py = sys.executable
-    script = (
-        f"{py} -m eyas.extract --tokenized {config.paths.tokenized} --shards {ref / 'shards'} "
-        f"--target {config.target.model_path} --config {ref / 'extract.json'} && "
-        f"{py} -m torch.distributed.run --standalone --nproc_per_node={config.train.num_processes} "
-        f"-m eyas.train --config {ref / 'job.json'}"
-    )
+    extract = [py, "-m", "eyas.extract", "--tokenized", config.paths.tokenized, "--shards", ref / "shards"]
+    extract += ["--target", config.target.model_path, "--config", ref / "extract.json"]
+    train = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.train.num_processes}"]
+    train += ["-m", "eyas.train", "--config", ref / "job.json"]
+    script = f"{shlex.join(map(str, extract))} && {shlex.join(map(str, train))}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

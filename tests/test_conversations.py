@@ -30,6 +30,12 @@ FORGETFUL = (
     "{% for m in messages %}<|{{ m.role }}|>{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}"
     "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# role markers that are ordinary text: "Assistant: " ends with a space that the tokenizer merges with the
+# response's first word (" return"), so the generation prompt alone is not a token prefix of the conversation
+PLAIN = (
+    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
 TAGGED = (
     "{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|end|>"
     "{% endgeneration %}{% else %}{{ m.content }}<|end|>{% endif %}{% endfor %}"
@@ -119,10 +125,50 @@ def test_with_a_template_the_spans_are_found_and_checked(tiny_target_dir, tmp_pa
     assert assistant_text(tok, ids, mask) == ["return a + b<|end|>", "return a - b<|end|>"]
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_target_dir, tmp_path):
+def test_role_markers_that_are_ordinary_text_are_masked_by_character_offsets(tiny_target_dir, tmp_path):
+    tok = tokenizer_with(PLAIN, tiny_target_dir, tmp_path)
+    turns = turn_options(TURNS, "keep", "drop")
+    prompt = tok.apply_chat_template(turns[:2], add_generation_prompt=True, tokenize=True, return_dict=False)
+    whole = tok.apply_chat_template(turns, tokenize=True, return_dict=False)
+    assert whole[: len(prompt)] != prompt  # what a token-prefix search cannot get past
+    ids, mask = render_conversation(tok, turns)
+    assert ids == whole and len(mask) == len(ids)
+    # the trainable tokens are the assistant turns (with the newline that ends them), the first one of each
+    # carrying the marker's space it merged with
+    assert assistant_text(tok, ids, mask) == [" return a + b\n", " return a - b\n"]
+    assert tok.decode([i for i, m in zip(ids, mask) if not m]) == (
+        "System: Be brief.\nUser: def add(a, b):\nAssistant:User: and sub?\nAssistant:"
+    )
+
+
+def test_a_tokenizer_without_offsets_locates_spans_by_token_prefixes(tmp_path):
+    from transformers import ByT5Tokenizer  # a Python tokenizer (bytes, no files): no offset mapping
+
+    tok = ByT5Tokenizer()
+    tok.chat_template = PLAIN
+    assert not tok.is_fast
+    ids, mask = render_conversation(tok, turn_options(TURNS, "keep", "drop"))
+    assert assistant_text(tok, ids, mask) == ["return a + b\n", "return a - b\n"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn(tiny_target_dir, tmp_path):
     tok = tokenizer_with(FORGETFUL, tiny_target_dir, tmp_path)
-    with pytest.raises(DatasetError, match=r"renders assistant turn 2 differently inside the whole conversation"):
+    with pytest.raises(DatasetError) as err:
         render_conversation(tok, turn_options(TURNS, "keep", "drop"), where="conversation a")
+    assert str(err.value) == (
+        "conversation a: assistant turn 2: the chat template renders the whole conversation differently than the "
+        "turns through it (first difference at character 68: '<|end|><|user|>and sub?<|end|>' in the whole, "
+        "'return a + b<|end|>' there), so its span cannot be located; expected a template whose rendering of a "
+        "prefix of the conversation is a prefix of the whole (add {% generation %} tags to the template, or set "
+        "dataset.reasoning='drop' if it rewrites past reasoning)"
+    )
+
+
+def test_a_template_that_renders_a_turn_without_its_content_is_refused(tiny_target_dir, tmp_path):
+    blank = CHATML.replace("{{ m.content }}", "{% if m.role != 'assistant' %}{{ m.content }}{% endif %}")
+    tok = tokenizer_with(blank, tiny_target_dir, tmp_path)
+    with pytest.raises(DatasetError, match=r"^conversation b: assistant turn 2: the chat template renders it as "):
+        render_conversation(tok, turn_options(TURNS, "keep", "drop"), where="conversation b")
 
 
 def test_a_template_with_generation_tags_gives_its_own_mask(tiny_target_dir, tmp_path):

@@ -13,10 +13,15 @@ dataset.system_prompt (keep | drop) and dataset.reasoning (keep: left in the con
 removed; template: handed to the chat template as `reasoning_content`, rendered as the model was trained).
 
 Rendering. With a chat template whose assistant turns carry `{% generation %}` tags, the tokenizer's own
-assistant-token mask is used. Otherwise each assistant span is found by rendering the conversation up to the
-turn (with the generation prompt) and through it; every such rendering must be a token prefix of the whole
-conversation's rendering, or the template cannot be checked and the conversation is refused (a template
-that rewrites earlier turns, e.g. one that drops past reasoning, is one). Without a chat template the
+assistant-token mask is used. Otherwise the whole conversation is rendered to text and tokenized once, and
+each assistant span is located in that text by character offsets: it starts where the rendering of the turns
+before it, with the generation prompt, ends, and ends where the rendering through it ends (its end-of-turn
+marker included); both renderings must be character prefixes of the whole, and the span must hold the turn's
+content, or the span cannot be located and the conversation is refused, naming the turn (a template that
+rewrites earlier turns, e.g. one that drops past reasoning, is one). Every token whose characters overlap a
+span is trained on (the tokenizer's offset mapping), so role markers that are ordinary text, whose last
+characters merge with the response's first into one token, work. A tokenizer without offsets (a slow, Python
+one) locates spans by token prefixes instead, which such markers defeat. Without a chat template the
 rendering is each turn's text tokenized on its own, concatenated (what regeneration does: prompt tokens,
 then the response's).
 """
@@ -133,12 +138,12 @@ def turn_options(turns: list[dict], system_prompt: str, reasoning: str) -> list[
     return out
 
 
-def _template(tokenizer, turns: list[dict], generation_prompt: bool) -> list[int]:
+def _template(tokenizer, turns: list[dict], generation_prompt: bool, tokenize: bool = True) -> list[int] | str:
     # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
     rendered = tokenizer.apply_chat_template(
-        turns, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+        turns, add_generation_prompt=generation_prompt, tokenize=tokenize, return_dict=False
     )
-    return list(rendered)
+    return list(rendered) if tokenize else rendered
 
 
 def render_conversation(tokenizer, turns: list[dict], where: str = "conversation") -> tuple[list[int], list[int]]:
@@ -156,6 +161,56 @@ def render_conversation(tokenizer, turns: list[dict], where: str = "conversation
     if "{% generation %}" in template or "{%- generation %}" in template:
         out = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])
+    if not getattr(tokenizer, "is_fast", False):
+        return _render_by_token_prefixes(tokenizer, turns, where)
+    text = _template(tokenizer, turns, generation_prompt=False, tokenize=False)
+    spans = _assistant_spans(tokenizer, turns, text, where)
+    # tokenized as apply_chat_template(tokenize=True) does: the template writes any special tokens itself
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    mask = [int(any(a < end and b > start for start, end in spans)) for a, b in offsets]
+    return ids, mask
+
+
+def _refusal(where: str, i: int, how: str) -> DatasetError:
+    return DatasetError(
+        f"{where}: assistant turn {i}: {how}, so its span cannot be located; expected a template whose rendering of "
+        "a prefix of the conversation is a prefix of the whole (add {% generation %} tags to the template, or set "
+        "dataset.reasoning='drop' if it rewrites past reasoning)"
+    )
+
+
+def _assistant_spans(tokenizer, turns: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+    """[start, end) character offsets in `text` (the whole conversation rendered) of every assistant turn."""
+    spans = []
+    for i, t in enumerate(turns):
+        if t["role"] != "assistant":
+            continue
+        before = _template(tokenizer, turns[:i], generation_prompt=True, tokenize=False) if i else ""
+        through = _template(tokenizer, turns[: i + 1], generation_prompt=False, tokenize=False)
+        for name, part in (("the turns before it, with the generation prompt", before), ("it", through)):
+            if not text.startswith(part):
+                at = next((k for k, (a, b) in enumerate(zip(text, part)) if a != b), min(len(text), len(part)))
+                raise _refusal(
+                    where,
+                    i,
+                    f"the chat template renders the whole conversation differently than the turns through {name} "
+                    f"(first difference at character {at}: {text[at : at + 30]!r} in the whole, "
+                    f"{part[at : at + 30]!r} there)",
+                )
+        if t["content"].strip() not in text[len(before) : len(through)]:
+            raise _refusal(
+                where,
+                i,
+                f"the chat template renders it as {text[len(before) : len(through)]!r:.120} without its content",
+            )
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def _render_by_token_prefixes(tokenizer, turns: list[dict], where: str) -> tuple[list[int], list[int]]:
+    """A tokenizer without offsets: each assistant span is located by rendering the conversation up to the turn
+    (with the generation prompt) and through it, each a token prefix of the whole conversation's rendering."""
     full = _template(tokenizer, turns, generation_prompt=False)
     mask = [0] * len(full)
     for i, t in enumerate(turns):
@@ -165,13 +220,14 @@ def render_conversation(tokenizer, turns: list[dict], where: str = "conversation
         end = _template(tokenizer, turns[: i + 1], generation_prompt=False)
         for name, part in (("the turns before it, with the generation prompt", start), ("it", end)):
             if full[: len(part)] != part:
-                raise DatasetError(
-                    f"{where}: the chat template renders assistant turn {i} differently inside the whole "
-                    f"conversation than through {name} (first difference at token "
-                    f"{next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), len(full))}), so its span "
-                    "cannot be found and checked; expected a template whose rendering of a prefix is a prefix of "
-                    "the whole (add {% generation %} tags to the template, or set dataset.reasoning='drop' if it "
-                    "rewrites past reasoning)"
+                at = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), len(full))
+                raise _refusal(
+                    where,
+                    i,
+                    f"the chat template renders it differently inside the whole conversation than through {name} "
+                    f"(first difference at token {at}; this tokenizer gives no character offsets, so a role marker "
+                    "that is ordinary text and merges with the response's first token defeats it: use the target's "
+                    "fast tokenizer, tokenizer.json)",
                 )
         mask[len(start) : len(end)] = [1] * (len(end) - len(start))
     return full, mask

@@ -4,7 +4,8 @@
         "language_model.logits_processor"], "hook_factory": "eyas.extract.capture_hook:make_hook",
         "config": {"dir": "/shared/run/extract/sglang-capture", "rid_prefix": "eyas-"}}]'
 
-SGLang (>= 0.5.23) calls `make_hook(config)` once per matching module on every TP worker, after CUDA-graph
+SGLang (>= 0.5.23) calls `make_hook(config)` once per spec on every TP worker and attaches that one hook to every
+matching module (Llama's `logits_processor`, Kimi-K2.5's `language_model.logits_processor`), after CUDA-graph
 capture (sglang/srt/model_executor/hook_manager.py `register_forward_hooks`, called from
 model_runner_components/cuda_graph_setup.py `finalize_cuda_graph_capture`), and PyTorch then calls the hook as
 `hook(module, args, output)` after each forward of the logits processor. What it reads, as SGLang 0.5.23

@@ -99,6 +99,10 @@ def test_approve_and_status_without_prefect_api_url_reach_eyas_s_own_server(own_
             own_state_dir, "approve", str(run.id), "--reviewer", "ada", "--note", "from the CLI"
         )
         seen["run_id"] = run.id
+        if seen["approve"].returncode != 0:  # not answered: end the wait now rather than at the gate's timeout
+            from prefect.flow_runs import resume_flow_run
+
+            resume_flow_run(run.id, run_input={"approve": False, "reviewer": "test", "note": "eyas approve failed"})
 
     thread = threading.Thread(target=answer_from_the_command_line, daemon=True)
     thread.start()
@@ -120,8 +124,8 @@ def test_approve_and_status_without_prefect_api_url_reach_eyas_s_own_server(own_
     assert waiting["state"] == "Paused"
 
 
-def test_a_command_that_imported_prefect_before_choosing_the_server_stops_at_once():
-    import prefect.context  # noqa: F401  (Prefect reads its settings now)
+def test_a_command_that_imported_prefect_before_choosing_the_server_stops_at_once(prefect_server):
+    import prefect.context  # noqa: F401  (Prefect reads its settings now: the session server's, set first)
 
     from eyas_cli.server import check_prefect_points_at
 

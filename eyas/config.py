@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +41,15 @@ def _refuse_renamed(section: str, data):
             renames = ", ".join(f"{section}.{o} is now {section}.{RENAMED_FIELDS[section][o]}" for o in old)
             raise ValueError(f"renamed config fields: {renames}; rename them in the preset (same meaning and value)")
     return data
+
+
+def _refuse_derived_flags(where: str, args: list[str]) -> None:
+    """Launch flags eyas derives for every SGLang server are not extra_args: one setting, every server."""
+    if any(a.split("=")[0] == "--trust-remote-code" for a in args):
+        raise ValueError(
+            f"{where}: --trust-remote-code comes from target.trust_remote_code for every SGLang server eyas starts; "
+            "remove it and set target.trust_remote_code"
+        )
 
 
 class TargetConfig(StrictModel):
@@ -89,6 +99,7 @@ class GenerationConfig(StrictModel):
 
     @model_validator(mode="after")
     def _servers_fit_the_generator(self) -> "GenerationConfig":
+        _refuse_derived_flags("dataset.generation.sglang_extra_args", self.sglang_extra_args)
         bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"dataset.generation.server_urls: {bad} expected http://HOST:PORT")
@@ -156,6 +167,7 @@ class SGLangExtractConfig(StrictModel):
 
     @model_validator(mode="after")
     def _server_url_or_launch(self) -> "SGLangExtractConfig":
+        _refuse_derived_flags("extract.sglang.extra_args", self.extra_args)
         if self.server_url and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"extract.sglang.server_url={self.server_url!r}: expected empty (launch a server) or http://HOST:PORT"
@@ -536,6 +548,7 @@ class BenchConfig(StrictModel):
 
     @model_validator(mode="after")
     def _draft_tokens_match_shape(self) -> "BenchConfig":
+        _refuse_derived_flags("bench.sglang_extra_args", self.sglang_extra_args)
         if self.topk == 1 and self.num_draft_tokens not in (0, self.num_steps + 1):
             raise ValueError(
                 f"bench.num_draft_tokens={self.num_draft_tokens} with bench.topk=1 (a chain of num_steps="
@@ -554,6 +567,39 @@ class BenchConfig(StrictModel):
         return self.num_draft_tokens or self.num_steps + 1
 
 
+class SGLangEnvConfig(StrictModel):
+    """SGLang's own environment, where every server eyas starts runs: regeneration, extraction, the benchmark and
+    its baseline (SGLang pins its own torch and transformers; README: A GPU machine)."""
+
+    python: str = Field(
+        default="",
+        description="the interpreter of SGLang's environment, e.g. /opt/sglang/bin/python, with eyas's capture "
+        "module installed there (the eyas-capture wheel: torch and safetensors only); `eyas engine-command` prints "
+        "it; empty = the interpreter running eyas (SGLang installed beside eyas)",
+    )
+    allow_unchecked_versions: list[str] = Field(
+        default_factory=list,
+        description="SGLang releases to run although eyas has not checked them (checked: 0.5.23), e.g. ['0.5.24']: "
+        "the layer each aux id captures, the aux-capture flags, what the capture hook reads and the answers' fields "
+        "are then unverified; empty = any other release is refused before its model loads",
+    )
+
+    @model_validator(mode="after")
+    def _paths_and_versions(self) -> "SGLangEnvConfig":
+        if self.python and "/" not in self.python:
+            raise ValueError(
+                f"sglang.python={self.python!r}: expected the path of SGLang's interpreter (e.g. "
+                "/opt/sglang/bin/python), not a name each machine's PATH would resolve to some interpreter; or empty"
+            )
+        bad = [v for v in self.allow_unchecked_versions if not re.fullmatch(r"\d+\.\d+\.\d+\S*", v)]
+        if bad:
+            raise ValueError(
+                f"sglang.allow_unchecked_versions: {bad} expected release strings as SGLang reports them (e.g. "
+                "'0.5.24', '0.5.23.post1')"
+            )
+        return self
+
+
 class RunConfig(StrictModel):
     name: str = Field(
         default="eyas-run", pattern=r"^[a-z0-9][a-z0-9-]*$", description="the run's name (lowercase, digits, '-')"
@@ -569,6 +615,9 @@ class RunConfig(StrictModel):
     approval: ApprovalConfig = Field(default=ApprovalConfig(), description="the approval gate")
     export: ExportConfig = Field(default=ExportConfig(), description="the export of the trained draft")
     bench: BenchConfig = Field(description="the acceptance benchmark on held-out prompts")
+    sglang: SGLangEnvConfig = Field(
+        default=SGLangEnvConfig(), description="SGLang's environment, for every SGLang server eyas starts"
+    )
 
     @model_validator(mode="after")
     def _cache_reads_remote_shards(self) -> "RunConfig":

@@ -1,13 +1,16 @@
 """`eyas engine-command CONFIG --stage generate|extract|bench|baseline [--json]`: the SGLang server a stage starts.
 
-    $ eyas engine-command deployments/kimi-k2.5.json --stage extract
-    python -m sglang.launch_server --model-path /models/Kimi-K2.5 --host 127.0.0.1 --port 30000 --tp-size 8 ...
+    $ eyas engine-command deployments/kimi-k25-8gpu.json --stage extract
+    /opt/sglang/bin/python -m sglang.launch_server --model-path /mnt/eyas/models/Kimi-K2.5 --host 127.0.0.1 \
+        --port 30000 --trust-remote-code --tp-size 8 ...
 
 The argv is the one the stage builds (eyas.dataset.build.generation_launch for the dataset stage's
 regeneration, eyas.extract.backends.sglang.build_extract_command for extraction,
 eyas.bench.sglang.bench_launch for the benchmark and its baseline), so a server started by hand with it
-passes the stage's checks. For extraction the capture folder is extract.sglang.capture_dir, or
-RUN/extract/sglang-capture when that is empty; it must be one folder for the server and eyas.
+passes the stage's checks: its interpreter is `sglang.python` (SGLang's own environment; the one running eyas
+when that is empty), and `--trust-remote-code` is there when target.trust_remote_code is. For extraction the
+capture folder is extract.sglang.capture_dir, or RUN/extract/sglang-capture when that is empty; it must be one
+folder for the server and eyas.
 """
 
 from __future__ import annotations
@@ -18,17 +21,14 @@ ENGINE_STAGES = ("generate", "extract", "bench", "baseline")
 DEFAULT_CAPTURE = Path("extract") / "sglang-capture"
 
 
-def engine_command(config, stage: str, python: str = "python") -> list[str]:
+def engine_command(config, stage: str) -> list[str]:
     """argv of the SGLang server `stage` of this run starts."""
-    from dataclasses import replace
-
-    from eyas.engines.sglang import build_launch_command
+    from eyas.engines.sglang import build_launch_command, engine_python
 
     if stage == "generate":
         from eyas.dataset.build import generation_launch
 
-        launch = generation_launch(config.dataset.generation, config.target.model_path)
-        return build_launch_command(replace(launch, python=python))
+        return build_launch_command(generation_launch(config))
     if stage == "extract":
         from eyas.extract.backends.sglang import build_extract_command
         from eyas.layer_ids import resolve_aux_layer_ids
@@ -41,12 +41,14 @@ def engine_command(config, stage: str, python: str = "python") -> list[str]:
             target_path=config.target.model_path,
             aux_layer_ids=resolve_aux_layer_ids(config.target.aux_layer_ids, num_layers),
             capture_dir=str(Path(cfg.capture_dir or config.paths.root / DEFAULT_CAPTURE).resolve()),
-            python=python,
+            python=engine_python(config.sglang.python),
+            trust_remote_code=config.target.trust_remote_code,
+            allowed_versions=config.sglang.allow_unchecked_versions,
         )
     if stage in ("bench", "baseline"):
         from eyas.bench.sglang import bench_launch
         from eyas.export.convert import SGLANG_EXPORT
 
-        launch = replace(bench_launch(config, config.paths.export_dir / SGLANG_EXPORT), python=python)
+        launch = bench_launch(config, config.paths.export_dir / SGLANG_EXPORT)
         return build_launch_command(launch if stage == "bench" else launch.baseline())
     raise ValueError(f"engine-command --stage {stage!r}: expected one of {ENGINE_STAGES}")

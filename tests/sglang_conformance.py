@@ -60,8 +60,10 @@ def sglang_kit_service(work_dir: Path, startup_timeout_s: float = 180):
     port_file = Path(work_dir) / "sglang-kit.port"
     log = open(Path(work_dir) / "sglang-kit.log", "wb")
     script = REPO / "tests" / "sglang_kit" / "resolver.py"
+    env = kit_python_env()
+    env["HF_MODULES_CACHE"] = str(Path(work_dir) / "hf-modules")  # a target's own code (trust_remote_code) goes here
     proc = subprocess.Popen(
-        [sys.executable, str(script), "--port-file", str(port_file)], env=kit_python_env(), stdout=log, stderr=log
+        [sys.executable, str(script), "--port-file", str(port_file)], env=env, stdout=log, stderr=log
     )
     try:
         deadline = time.monotonic() + startup_timeout_s

@@ -161,14 +161,14 @@ def test_a_launched_server_serves_features_and_is_stopped_on_close(
 def test_a_launch_sglang_refuses_fails_with_sglangs_message(random_target_dir, tmp_path, monkeypatch, sglang_kit):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(REPO)
-    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, extra_args=["--return-hidden-states-mode", "x"])
+    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, extra_args=["--dtype", "x"])
     with pytest.raises(SglangServerError) as err:
         SGLangBackend(
             cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
             launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
         )  # fmt: skip
     assert "exited with code 1 before GET /health answered 200" in str(err.value)
-    assert "argument --return-hidden-states-mode: invalid choice: 'x' (choose from 'last', 'full')" in str(err.value)
+    assert "argument --dtype: invalid choice: 'x' (choose from 'auto', 'half', 'float16'," in str(err.value)
 
 
 def test_an_old_server_is_refused_with_the_version_and_the_fix(random_target_dir, capture_dir, sglang_kit):

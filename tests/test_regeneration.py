@@ -206,7 +206,7 @@ def test_eyas_launches_the_regeneration_server_and_stops_it(reference, tiny_targ
     ref_config, _ = reference
     port = free_port()
     real = build.generation_launch
-    monkeypatch.setattr(build, "generation_launch", lambda gen, target: replace(real(gen, target),
+    monkeypatch.setattr(build, "generation_launch", lambda config: replace(real(config),
                         module="tests.generation_double", python=sys.executable))  # fmt: skip
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(REPO)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kimi_remote_code import with_remote_config
 from safetensors.torch import load_file, save_file
 from sglang_conformance import REPO, TINY_DRAFT_CONFIG, SglangRefused, kit_python_env, resolved_server_info
+from target_fixtures import write_target
 
 from eyas.bench.sglang import lint_launch_command
 from eyas.config import SGLangExtractConfig, load_run_config
@@ -178,8 +180,82 @@ def test_engine_command_prints_what_sglang_accepts_for_every_stage(sglang_kit, t
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     printed = json.loads(cli.stdout)
-    assert printed["argv"][1:3] == ["-m", "sglang.launch_server"] and printed["command"].startswith("python -m ")
+    # the tiny preset names no SGLang environment (sglang.python): the servers run eyas's own interpreter
+    assert printed["argv"][:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert printed["command"].startswith(f"{sys.executable} -m ")
     assert resolved_server_info(printed["argv"])["return_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> Path:
+    """A config-only Kimi-K2.5 target with the configuration code its checkpoint ships (auto_map)."""
+    root = tmp_path_factory.mktemp("kimi")
+    return with_remote_config(write_target(root / "kimi-k2.5", "kimi-k2.5"), root / "kimi-k2.5-remote")
+
+
+def test_sglang_resolves_trust_remote_code_for_every_server_of_the_kimi_preset(sglang_kit, kimi, tmp_path):
+    from producer_fixtures import PUBLISHED
+
+    config = load_run_config(REPO / "deployments" / "kimi-k25-8gpu.json")
+    target = config.target.model_copy(update={"model_path": str(kimi)})
+    config = config.model_copy(update={"workdir": str(tmp_path / "run"), "target": target})
+    export = config.paths.export_dir / "sglang"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text(json.dumps(PUBLISHED["aq-medai-kimi-k2"]["config"]))
+    argvs = {stage: engine_command(config, stage) for stage in ("generate", "extract", "bench", "baseline")}
+    assert {argv[0] for argv in argvs.values()} == {config.sglang.python} == {"/opt/sglang/bin/python"}
+    infos = {stage: resolved_server_info(argv) for stage, argv in argvs.items()}
+    assert {stage: info["trust_remote_code"] for stage, info in infos.items()} == dict.fromkeys(argvs, True)
+    assert lint_server_info(infos["extract"], [1, 29, 57], "sglang_deepseek", trust_remote_code=True) == []
+
+
+def test_a_kimi_server_without_trust_remote_code_is_refused_by_the_extraction_lint(sglang_kit, kimi):
+    """A server started by hand from the extraction command less --trust-remote-code."""
+    argv = build_extract_command(SGLangExtractConfig(tp_size=8), target_path=str(kimi), aux_layer_ids=[2, 30, 58],
+                                 capture_dir="/shared/capture")  # fmt: skip
+    info = resolved_server_info(argv)
+    assert info["trust_remote_code"] is False
+    [problem] = lint_server_info(info, [1, 29, 57], "sglang_deepseek", trust_remote_code=True)
+    assert problem == (
+        "trust_remote_code=False, expected True: target.trust_remote_code is true (the target's config or tokenizer "
+        "loads through its own code); launch with --trust-remote-code"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, backend",
+    [(["--cuda-graph-backend-prefill", "breakable"], "breakable"),
+     (["--cuda-graph-config", '{"prefill": {"backend": "full"}}'], "full")],
+)  # fmt: skip
+def test_settings_that_turn_prefill_cuda_graphs_back_on_are_refused(sglang_kit, override, backend):
+    """SGLang lets both win over --disable-prefill-cuda-graph (cuda_graph_hook.py) and still reports that flag
+    true. (On a GPU the prefill default is `breakable`, here `disabled`: the kit resolves on a CPU.)"""
+    with pytest.raises(ValueError, match=f"remove them:\n  {override[0]}: they override --disable-prefill-cuda-graph"):
+        extract_argv(TINY, [2, 4, 5], extra_args=override)
+    info = resolved_server_info(extract_argv(TINY, [2, 4, 5]) + override)  # a server started by hand
+    assert info["disable_prefill_cuda_graph"] is True and info["cuda_graph_config"]["prefill"]["backend"] == backend
+    [problem] = lint_server_info(info, [1, 3, 4], "sglang_llama")
+    assert problem.startswith(f"cuda_graph_config.prefill.backend='{backend}', expected 'disabled': a prefill ")
+
+
+def test_data_parallel_attention_is_read_from_attn_dp_size_once_enable_dp_attention_is_gone(sglang_kit):
+    """SGLang 0.5.23 marks /server_info's enable_dp_attention for removal (server_args.py); attn_dp_size stays."""
+    sound = resolved_server_info(extract_argv(TINY, [2, 4, 5]))
+    dp = resolved_server_info(extract_argv(TINY, [2, 4, 5]) + ["--attn-dp-size", "2"])
+    assert (sound["enable_dp_attention"], sound["attn_dp_size"], dp["enable_dp_attention"], dp["attn_dp_size"]) == (
+        False, 1, True, 2)  # fmt: skip
+    gone = {k: v for k, v in sound.items() if k != "enable_dp_attention"}
+    assert lint_server_info(gone, [1, 3, 4], "sglang_llama") == []
+    for info in (dp, {k: v for k, v in dp.items() if k != "enable_dp_attention"}):
+        [problem] = lint_server_info(info, [1, 3, 4], "sglang_llama")
+        assert "attn_dp_size=2, expected false / 1: the hook writes from TP rank 0" in problem
+    neither = {k: v for k, v in gone.items() if k != "attn_dp_size"}
+    [problem] = lint_server_info(neither, [1, 3, 4], "sglang_llama")
+    assert problem.startswith("enable_dp_attention='(absent)', attn_dp_size='(absent)', expected false / 1")
+    # replicas (--dp-size without DP attention): each replica's TP rank 0 writes its own requests' files
+    replicas = resolved_server_info(extract_argv(TINY, [2, 4, 5]) + ["--dp-size", "2"])
+    assert (replicas["dp_size"], replicas["attn_dp_size"]) == (2, 1)
+    assert lint_server_info(replicas, [1, 3, 4], "sglang_llama") == []
 
 
 LAYER_CASES = [("llama-32", [3, 10, 20]), ("llama-32", [2, 16, 29]), ("deepseek-v3-61", [3, 30, 58]),

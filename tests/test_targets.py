@@ -118,9 +118,11 @@ def test_engine_command_for_a_kimi_run(sglang_kit, kimi, tmp_path):
 def test_the_kimi_preset_starts_servers_sglang_accepts(sglang_kit, kimi, tmp_path):
     """deployments/kimi-k25-8gpu.json with its target replaced by the Kimi-shaped fixture: the regeneration,
     extraction, benchmark and baseline servers it would start, through SGLang's own argument code."""
+    from kimi_remote_code import with_remote_config
     from producer_fixtures import PUBLISHED
 
     config = load_run_config(REPO / "deployments" / "kimi-k25-8gpu.json")
+    kimi = with_remote_config(kimi, tmp_path / "kimi")  # --trust-remote-code: SGLang loads its configuration code
     target = config.target.model_copy(update={"model_path": str(kimi)})
     config = config.model_copy(update={"workdir": str(tmp_path / "run"), "target": target})
     export = config.paths.export_dir / "sglang"

@@ -6,12 +6,13 @@
                           steps=3, topk=1, num_draft_tokens=4, port=30000)
     result = run_sglang_benchmark(launch, prompt_ids, max_new_tokens=256, shard_aux_layer_ids=[2, 16, 29])
 
-The exact commands it runs (GPU machine, SGLang installed), first with the draft, then without:
+The exact commands it runs (GPU machine; SGLANG_PYTHON is sglang.python, SGLang's own environment; a target
+with target.trust_remote_code also gets --trust-remote-code), first with the draft, then without:
 
-    python -m sglang.launch_server --model-path TARGET --host 127.0.0.1 --port 30000 \\
+    SGLANG_PYTHON -m sglang.launch_server --model-path TARGET --host 127.0.0.1 --port 30000 \\
         --speculative-algorithm EAGLE3 --speculative-draft-model-path run/export/sglang \\
         --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
-    python -m sglang.launch_server --model-path TARGET --host 127.0.0.1 --port 30000
+    SGLANG_PYTHON -m sglang.launch_server --model-path TARGET --host 127.0.0.1 --port 30000
 
 Each server is waited for on GET /health, given every prompt concurrently as
 POST /generate {"input_ids": [...], "sampling_params": {"temperature": 0, "max_new_tokens": N}}
@@ -33,10 +34,12 @@ from eyas.engines.sglang import (
     SGLANG_ALGORITHM,
     SGLANG_DRAFT_ARCHITECTURE,
     SPEC_SHAPE_FLAGS,
+    TRUST_REMOTE_CODE_FLAG,
     SglangLaunch,
     SglangServer,
     SglangServerError,
     build_launch_command,
+    engine_python,
     request_json,
 )
 from eyas.layer_ids import from_engine_layer_ids, sglang_convention, target_layout
@@ -124,11 +127,19 @@ def _target_convention(flags: dict[str, str]) -> tuple[str, list[str]]:
     return sglang_convention(target_layout(json.loads(config.read_text()))[0]), []
 
 
-def lint_launch_command(argv: list[str], *, shard_aux_layer_ids: list[int] | None = None) -> list[str]:
-    """Every problem of an SGLang launch command for an EAGLE-3 benchmark; [] when it is sound."""
+def lint_launch_command(
+    argv: list[str], *, shard_aux_layer_ids: list[int] | None = None, trust_remote_code: bool = False
+) -> list[str]:
+    """Every problem of an SGLang launch command for an EAGLE-3 benchmark; [] when it is sound.
+    `trust_remote_code`: the target needs its own code (target.trust_remote_code), so the command must say so."""
     flags = _flags(argv)
     algorithm = flags.get("--speculative-algorithm")
     problems = []
+    if trust_remote_code and TRUST_REMOTE_CODE_FLAG not in flags:
+        problems.append(
+            f"launch flags: no {TRUST_REMOTE_CODE_FLAG}, but target.trust_remote_code is true (the target's config "
+            f"or tokenizer loads through its own code): pass {TRUST_REMOTE_CODE_FLAG}"
+        )
     if algorithm is not None and algorithm != SGLANG_ALGORITHM:
         problems.append(
             f"launch flags: --speculative-algorithm {algorithm}, expected {SGLANG_ALGORITHM}; with {algorithm} "
@@ -150,8 +161,10 @@ def lint_launch_command(argv: list[str], *, shard_aux_layer_ids: list[int] | Non
     return problems
 
 
-def check_launch_command(argv: list[str], *, shard_aux_layer_ids: list[int] | None = None) -> None:
-    problems = lint_launch_command(argv, shard_aux_layer_ids=shard_aux_layer_ids)
+def check_launch_command(
+    argv: list[str], *, shard_aux_layer_ids: list[int] | None = None, trust_remote_code: bool = False
+) -> None:
+    problems = lint_launch_command(argv, shard_aux_layer_ids=shard_aux_layer_ids, trust_remote_code=trust_remote_code)
     if problems:
         raise LaunchFlagError(f"SGLang launch command {' '.join(argv)}:\n  " + "\n  ".join(problems))
 
@@ -213,6 +226,9 @@ def bench_launch(config: RunConfig, export_dir: str | Path) -> SglangLaunch:
         num_draft_tokens=b.draft_tokens,
         port=b.sglang_port,
         extra_args=tuple(b.sglang_extra_args),
+        python=engine_python(config.sglang.python),
+        trust_remote_code=config.target.trust_remote_code,
+        allowed_versions=tuple(config.sglang.allow_unchecked_versions),
     )
 
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eyas.config import DatasetConfig, GenerationConfig, RunConfig
+from eyas.config import DatasetConfig, RunConfig
 from eyas.dataset.conversations import read_conversations, render_conversation, turn_options
 from eyas.dataset.generate import (
     Accounting,
@@ -75,12 +75,15 @@ def dataset_cache_key(cfg: DatasetConfig, target_path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def generation_launch(gen: GenerationConfig, target_path: str):
-    """The SGLang server eyas launches for regeneration (no speculation, no capture)."""
-    from eyas.engines.sglang import SglangLaunch
+def generation_launch(config: RunConfig):
+    """The SGLang server eyas launches for regeneration (no speculation, no capture), in SGLang's environment."""
+    from eyas.engines.sglang import SglangLaunch, engine_python
 
+    gen = config.dataset.generation
     extra = ("--tp-size", str(gen.sglang_tp_size), *gen.sglang_extra_args)
-    return SglangLaunch(target_path, None, port=gen.sglang_port, extra_args=extra)
+    return SglangLaunch(config.target.model_path, None, port=gen.sglang_port, extra_args=extra,
+                        python=engine_python(config.sglang.python), trust_remote_code=config.target.trust_remote_code,
+                        allowed_versions=tuple(config.sglang.allow_unchecked_versions))  # fmt: skip
 
 
 def _generator(config: RunConfig, tokenizer, stack: ExitStack):
@@ -97,7 +100,7 @@ def _generator(config: RunConfig, tokenizer, stack: ExitStack):
             from eyas.engines.sglang import SglangServer
 
             log = config.paths.dataset_dir / "sglang-generate.log"
-            launch = generation_launch(gen, config.target.model_path)
+            launch = generation_launch(config)
             urls = [stack.enter_context(SglangServer(launch, log, gen.sglang_startup_timeout_s))]
         return SGLangGenerator(urls, sampling, gen.max_in_flight, gen.request_timeout_s)
     return OpenAIGenerator(urls, sampling, gen.max_in_flight, gen.request_timeout_s, model=gen.openai_model,

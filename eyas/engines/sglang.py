@@ -1,13 +1,16 @@
 """SGLang as eyas meets it: the launch command, the server's lifecycle, and one HTTP client for its API.
 
-    launch = SglangLaunch(target_path="meta-llama/Llama-3.1-8B-Instruct", draft_path="run/export/sglang")
-    argv = build_launch_command(launch)          # python -m sglang.launch_server --model-path ... EAGLE3 ...
+    launch = SglangLaunch(target_path="meta-llama/Llama-3.1-8B-Instruct", draft_path="run/export/sglang",
+                          python="/opt/sglang/bin/python")
+    argv = build_launch_command(launch)          # /opt/sglang/bin/python -m sglang.launch_server --model-path ...
     with SglangServer(launch, log_path, startup_timeout_s=1800) as url:   # started, /health waited for, stopped
         answer = request_json(f"{url}/generate", body, timeout_s=600, what="...", fix="...")
 
-Extraction (eyas.extract.backends.sglang) and the benchmark (eyas.bench.sglang) both start servers
-and send requests through this module. Every failure of a request is a SglangServerError naming the
-request, what the server said and the fix.
+Regeneration (eyas.dataset.build), extraction (eyas.extract.backends.sglang) and the benchmark
+(eyas.bench.sglang) start servers and send requests through this module. SGLang lives in an environment
+of its own (it pins its own torch and transformers): `sglang.python` names its interpreter, and every
+server runs there (eyas.engines.sglang_env checks that interpreter before the model loads). Every failure
+of a request is a SglangServerError naming the request, what the server said and the fix.
 """
 
 from __future__ import annotations
@@ -20,16 +23,34 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import httpx
 
 SGLANG_ALGORITHM = "EAGLE3"
 SGLANG_DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPEC_SHAPE_FLAGS = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+TRUST_REMOTE_CODE_FLAG = "--trust-remote-code"
+
+
+# The SGLang releases eyas's contract was checked against (research/sglang-0.5.23-kimi-audit.md; the wheel kit
+# kits/sglang-0.5.23.txt runs their argument code in the tests), and what is not known of any other release.
+CHECKED_SGLANG_VERSIONS = ("0.5.23",)
+UNCHECKED_ON_OTHER_RELEASES = (
+    "the layer each aux id captures for the target's model class (a changed rule captures other layers at the "
+    "right width, which no later check sees)",
+    "the aux-capture flags and what /server_info reports for them",
+    "what the capture hook reads of LogitsProcessor.forward's arguments, the ForwardBatch and LogitsProcessorOutput",
+    "the /generate answer's meta_info (finish_reason, spec_verify_ct, top logprobs)",
+)
 
 
 class SglangServerError(RuntimeError):
     """The SGLang server did not start, answer or finish as documented."""
+
+
+class SGLangVersionError(SglangServerError):
+    """The SGLang server's release is not one eyas can use: too old, or unchecked and not allowed."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +64,9 @@ class SglangLaunch:
     port: int = 30000
     extra_args: tuple[str, ...] = ()
     module: str = "sglang.launch_server"  # tests substitute the protocol double here
-    python: str = field(default=sys.executable)
+    python: str = field(default=sys.executable)  # SGLang's interpreter (sglang.python), else eyas's own
+    trust_remote_code: bool = False  # target.trust_remote_code: the target's own code loads its config/tokenizer
+    allowed_versions: tuple[str, ...] = ()  # sglang.allow_unchecked_versions
 
     @property
     def base_url(self) -> str:
@@ -57,11 +80,30 @@ def build_launch_command(launch: SglangLaunch) -> list[str]:
     """argv of `python -m sglang.launch_server` for this launch."""
     argv = [launch.python, "-m", launch.module, "--model-path", launch.target_path]
     argv += ["--host", launch.host, "--port", str(launch.port)]
+    if launch.trust_remote_code:
+        argv.append(TRUST_REMOTE_CODE_FLAG)
     if launch.draft_path is not None:
         argv += ["--speculative-algorithm", SGLANG_ALGORITHM, "--speculative-draft-model-path", launch.draft_path]
         argv += [SPEC_SHAPE_FLAGS[0], str(launch.steps), SPEC_SHAPE_FLAGS[1], str(launch.topk)]
         argv += [SPEC_SHAPE_FLAGS[2], str(launch.num_draft_tokens)]
     return argv + list(launch.extra_args)
+
+
+def engine_python(configured: str) -> str:
+    """The interpreter every SGLang server runs in: `sglang.python` when set, else the one running eyas."""
+    return configured or sys.executable
+
+
+def check_sglang_version(version: str, allowed: Sequence[str], where: str) -> None:
+    """Refuse a release eyas has not checked, unless the config names it in sglang.allow_unchecked_versions."""
+    if version in CHECKED_SGLANG_VERSIONS or version in allowed:
+        return
+    raise SGLangVersionError(
+        f"{where}: SGLang {version} is not a release eyas has checked ({', '.join(CHECKED_SGLANG_VERSIONS)}); "
+        f"not checked on {version}: {'; '.join(UNCHECKED_ON_OTHER_RELEASES)}. Install SGLang "
+        f'{CHECKED_SGLANG_VERSIONS[-1]} in SGLang\'s environment (README: A GPU machine), or add "{version}" to '
+        "sglang.allow_unchecked_versions to run with it unchecked"
+    )
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -101,13 +143,21 @@ def http_status(url: str, timeout_s: float = 5) -> int | None:
 
 
 class SglangServer:
-    """`with SglangServer(launch, log_path, timeout_s) as url:` starts it, waits for /health, stops it."""
+    """`with SglangServer(launch, log_path, timeout_s) as url:` checks the launch's interpreter (its SGLang release
+    against launch.allowed_versions; `capture_module` importable there as eyas has it), starts the server, waits
+    for /health, stops it."""
 
-    def __init__(self, launch: SglangLaunch, log_path: Path, startup_timeout_s: float):
+    def __init__(self, launch: SglangLaunch, log_path: Path, startup_timeout_s: float, *, capture_module: str = ""):
         self.launch, self.log_path, self.timeout_s = launch, Path(log_path), startup_timeout_s
+        self.capture_module = capture_module
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
+        from eyas.engines.sglang_env import check_engine_environment
+
+        launch = self.launch
+        check_engine_environment(launch.python, launch.module, allowed_versions=launch.allowed_versions,
+                                 capture_module=self.capture_module)  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         argv = build_launch_command(self.launch)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import base64
 import json
-import sys
 import tempfile
 import time
 import uuid
@@ -61,179 +60,36 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from eyas.config import SGLangExtractConfig
-from eyas.engines.sglang import (
-    SGLANG_ALGORITHM,
-    SglangLaunch,
-    SglangServer,
-    SglangServerError,
-    build_launch_command,
-    parse_version,
-    request_json,
-)
+from eyas.config import SGLangEnvConfig, SGLangExtractConfig
+from eyas.engines.sglang import SglangServer, SglangServerError, SGLangVersionError, engine_python, request_json
 from eyas.extract.backends.base import check_aux_width, check_feature_widths
+from eyas.extract.backends.sglang_launch import (
+    CAPTURE_HOOK_FACTORY,
+    CAPTURE_MODULE,
+    MIN_SGLANG_VERSION,
+    RID_PREFIX,
+    aux_capture_flags,
+    build_extract_command,
+    check_server,
+    engine_layer_ids,
+    extract_launch,
+    hook_spec,
+    lint_server_info,
+    served_capture_dir,
+)
 from eyas.extract.capture_hook import CaptureError, capture_file
-from eyas.layer_ids import from_engine_layer_ids, sglang_convention, target_layout, to_engine_layer_ids
 from eyas.shards.encoding import TopK
 from eyas.target import find_weight
 
-MIN_SGLANG_VERSION = (0, 5, 23)
+__all__ = [  # the launch and lint live in sglang_launch; callers may import them from here
+    "CAPTURE_HOOK_FACTORY", "MIN_SGLANG_VERSION", "SGLangBackend", "SGLangVersionError", "aux_capture_flags",
+    "build_extract_command", "check_server", "engine_layer_ids", "extract_launch", "hook_spec", "lint_server_info",
+    "read_capture", "topk_from_answer",
+]  # fmt: skip
 MAX_NEW_TOKENS = 1  # SGLang samples one token after the prefill; the prompt's rows are what eyas keeps
-UPGRADE = "pip install -U 'sglang>=0.5.23' on the GPU machine and relaunch the server"
-CAPTURE_HOOK_NAME = "eyas-capture"
-CAPTURE_HOOK_FACTORY = "eyas.extract.capture_hook:make_hook"
-CAPTURE_MODULES = ("logits_processor", "language_model.logits_processor")  # Llama/DeepSeek; Kimi-K2.5's wrapper
-RID_PREFIX = "eyas-"
 CANARY_TOKENS = 16
 FILE_POLL_S = 0.02
 FLOAT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
-
-
-class SGLangVersionError(SglangServerError):
-    """The SGLang server is older than the aux-capture mode extraction needs."""
-
-
-def target_family(target_path: str | Path) -> tuple[list[str], int | None]:
-    """(architectures, decoder layers) of the target's config.json."""
-    path = Path(target_path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"target {target_path}: no config.json; expected a Hugging Face model directory")
-    return target_layout(json.loads(path.read_text()))
-
-
-def engine_layer_ids(aux_layer_ids: list[int], target_path: str | Path) -> tuple[list[int], str]:
-    """(ids for --return-aux-hidden-state-layer-ids, their convention) for the run's canonical ids and target."""
-    convention = sglang_convention(target_family(target_path)[0])
-    return to_engine_layer_ids(list(aux_layer_ids), convention), convention
-
-
-def hook_spec(capture_dir: str | Path) -> list[dict]:
-    """The --forward-hooks value that loads eyas's capture module."""
-    config = {"dir": str(capture_dir), "rid_prefix": RID_PREFIX}
-    spec = {"name": CAPTURE_HOOK_NAME, "target_modules": list(CAPTURE_MODULES), "hook_factory": CAPTURE_HOOK_FACTORY}
-    return [{**spec, "config": config}]
-
-
-def aux_capture_flags(cfg: SGLangExtractConfig, engine_ids: list[int], capture_dir: str | Path) -> list[str]:
-    """The launch_server flags of aux-capture mode with the capture hook, after --model-path/--host/--port."""
-    return [
-        "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static), "--pp-size", "1",
-        "--speculative-algorithm", SGLANG_ALGORITHM, "--enable-return-aux-hidden-states",
-        "--return-aux-hidden-state-layer-ids", *map(str, engine_ids), "--enable-return-hidden-states",
-        "--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-prefill-cuda-graph",
-        "--forward-hooks", json.dumps(hook_spec(capture_dir)),
-    ]  # fmt: skip
-
-
-def extract_launch(
-    cfg: SGLangExtractConfig,
-    *,
-    target_path: str,
-    aux_layer_ids: list[int],
-    capture_dir: str | Path,
-    module: str = "sglang.launch_server",
-    python: str = sys.executable,
-) -> SglangLaunch:
-    """The server eyas launches (eyas.engines.sglang runs it); refuses extra_args that override ours."""
-    own = aux_capture_flags(cfg, engine_layer_ids(aux_layer_ids, target_path)[0], capture_dir)
-    aliases = {"--model-path", "--model", "--host", "--port", "--tp", "--tensor-parallel-size"}
-    aliases |= {"--pipeline-parallel-size", "--json-model-override-args", "--speculative-draft-model-path"}
-    own_flags = aliases | {a for a in own if a.startswith("--")}
-    clashes = sorted({a.split("=")[0] for a in cfg.extra_args} & own_flags)
-    if clashes:
-        raise ValueError(
-            f"extract.sglang.extra_args={cfg.extra_args}: {', '.join(clashes)} would override what eyas sets "
-            "for aux-capture mode; remove them (port, tp_size, mem_fraction_static, capture_dir are extract.sglang "
-            "fields, layer ids come from target.aux_layer_ids)"
-        )
-    extra = tuple(own + list(cfg.extra_args))
-    return SglangLaunch(target_path, None, port=cfg.port, extra_args=extra, module=module, python=python)
-
-
-def build_extract_command(
-    cfg: SGLangExtractConfig, *, target_path: str, aux_layer_ids: list[int], capture_dir: str | Path, **kw
-) -> list[str]:
-    """argv of the aux-capture server for this config."""
-    launch = extract_launch(cfg, target_path=target_path, aux_layer_ids=aux_layer_ids, capture_dir=capture_dir, **kw)
-    return build_launch_command(launch)
-
-
-def served_capture_dir(info: dict) -> str | None:
-    """The `dir` of eyas's capture hook in the server's forward_hooks (GET /server_info), if it has one."""
-    for spec in info.get("forward_hooks") or []:
-        if isinstance(spec, dict) and spec.get("hook_factory") == CAPTURE_HOOK_FACTORY:
-            return (spec.get("config") or {}).get("dir")
-    return None
-
-
-# (server_info field, required value, launch flag, why): what extraction depends on, as /server_info reports it.
-SERVER_REQUIREMENTS = (
-    ("aux_hidden_state_capture", "eagle3",
-     f"--speculative-algorithm {SGLANG_ALGORITHM} --enable-return-aux-hidden-states",
-     "without aux-capture mode the server keeps the last layer's states (H wide), not the aux layers'"),
-    ("speculative_algorithm", None, "no --speculative-draft-model-path",
-     "a speculative server runs a draft and does not return the target's capture"),
-    ("return_hidden_states_mode", "full", "--enable-return-hidden-states",
-     "in 'last' mode a prefill keeps one row per request"),
-    ("enable_return_hidden_states", True, "--enable-return-hidden-states",
-     "the start-up canary asks for hidden states in its answer"),
-    ("pp_size", 1, "--pp-size 1", "the capture hooks see the layers of the last pipeline rank only"),
-    ("disable_radix_cache", True, "--disable-radix-cache",
-     "a cached prompt prefix is not recomputed, so its rows are missing"),
-    ("chunked_prefill_size", -1, "--chunked-prefill-size -1", "a chunked prompt arrives in several prefills"),
-    ("disable_prefill_cuda_graph", True, "--disable-prefill-cuda-graph",
-     "a prefill replayed from a CUDA graph does not run forward hooks"),
-    ("enable_dp_attention", False, "no --enable-dp-attention",
-     "the hook writes from TP rank 0, which sees the requests of its own data-parallel group only"),
-)  # fmt: skip
-
-
-def lint_server_info(info: dict, engine_ids: list[int], convention: str) -> list[str]:
-    """Every way a server (GET /server_info) differs from what extraction needs; [] when sound."""
-    problems = []
-    for name, required, flag, why in SERVER_REQUIREMENTS:
-        found = info.get(name, "(absent)")
-        if found != required:
-            problems.append(f"{name}={found!r}, expected {required!r}: {why}; launch with {flag}")
-    served = info.get("return_aux_hidden_state_layer_ids", "(absent)")
-    if served != list(engine_ids):
-        if isinstance(served, list):
-            found = f"{served} (hidden_states {from_engine_layer_ids(served, convention)})"
-        else:
-            found = f"{served!r} (SGLang then captures its default layers)" if served is None else repr(served)
-        problems.append(
-            f"return_aux_hidden_state_layer_ids={found}, expected {list(engine_ids)} ({convention}: hidden_states "
-            f"{from_engine_layer_ids(list(engine_ids), convention)}, the run's target.aux_layer_ids); launch with "
-            f"--return-aux-hidden-state-layer-ids {' '.join(map(str, engine_ids))}"
-        )
-    if served_capture_dir(info) is None:
-        problems.append(
-            f"forward_hooks={info.get('forward_hooks')!r}: expected eyas's capture hook ({CAPTURE_HOOK_FACTORY}); "
-            f"launch with --forward-hooks '{json.dumps(hook_spec('CAPTURE_DIR'))}' (eyas engine-command prints it)"
-        )
-    return problems
-
-
-def check_server(url: str, *, engine_ids: list[int], convention: str, timeout_s: float) -> dict:
-    """GET /server_info: refuse an SGLang older than 0.5.23 or not set up for extraction; the info when sound."""
-    need = ".".join(map(str, MIN_SGLANG_VERSION))
-    fix = f"expected SGLang >= {need}, which serves GET /server_info with its version; check extract.sglang.server_url"
-    info = request_json(f"{url}/server_info", None, timeout_s=timeout_s, what=f"SGLang server {url}", fix=fix)
-    version = info.get("version") if isinstance(info, dict) else None
-    parsed = parse_version(version) if isinstance(version, str) else None
-    if parsed is None:
-        raise SglangServerError(f"SGLang server {url}: GET /server_info has version {version!r}; {fix}")
-    if parsed < MIN_SGLANG_VERSION:
-        raise SGLangVersionError(
-            f"SGLang server {url}: version {version}, expected >= {need} (the first with "
-            f"--enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids); {UPGRADE}"
-        )
-    problems = lint_server_info(info, engine_ids, convention)
-    if problems:
-        raise SglangServerError(
-            f"SGLang server {url} (version {version}) is not set up for extraction:\n  " + "\n  ".join(problems)
-        )
-    return info
 
 
 def read_capture(path: Path, input_ids: list[int], *, num_aux: int, hidden_size: int, where: str):
@@ -425,6 +281,8 @@ class SGLangBackend:
         launch_module: str = "sglang.launch_server",
         log_path: str | Path | None = None,
         teacher_topk: int = 0,
+        env: SGLangEnvConfig = SGLangEnvConfig(),
+        trust_remote_code: bool = False,
     ):
         self.cfg, self.aux_layer_ids, self.hidden_size = cfg, list(aux_layer_ids), hidden_size
         self.teacher_topk = teacher_topk
@@ -438,14 +296,16 @@ class SGLangBackend:
                 capture_dir.mkdir(parents=True, exist_ok=True)
                 launch = extract_launch(
                     cfg, target_path=target_path, aux_layer_ids=self.aux_layer_ids, capture_dir=capture_dir,
-                    module=launch_module,
+                    module=launch_module, python=engine_python(env.python), trust_remote_code=trust_remote_code,
+                    allowed_versions=env.allow_unchecked_versions,
                 )  # fmt: skip
                 log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="eyas-sglang-")) / "server.log"
-                self.url = stack.enter_context(SglangServer(launch, log, cfg.startup_timeout_s))
-            timeout_s = cfg.request_timeout_s
+                server = SglangServer(launch, log, cfg.startup_timeout_s, capture_module=CAPTURE_MODULE)
+                self.url = stack.enter_context(server)
             self.server_info = check_server(
-                self.url, engine_ids=self.engine_ids, convention=self.convention, timeout_s=timeout_s
-            )
+                self.url, engine_ids=self.engine_ids, convention=self.convention, timeout_s=cfg.request_timeout_s,
+                allowed_versions=env.allow_unchecked_versions, trust_remote_code=trust_remote_code,
+            )  # fmt: skip
             self.capture_dir = self._capture_dir(self.server_info)
             self._resources = stack.pop_all()
         self._canary_done = False

@@ -94,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for p in (inspect, remap):
         p.add_argument("--num-target-layers", type=int, help="the target's layer count (layer-id checks)")
         p.add_argument(
-            "--target", help="the target model's directory or config.json: its layer count and SGLang's numbering"
+            "--target",
+            help="the target model's directory or config.json: its layer count and SGLang's numbering (inspect: "
+            "also its hidden size and vocab, which the drafter must match)",
         )
     inspect.add_argument(
         "--engine", choices=sorted(ENGINES), help="an engine version that must fill every tensor and run every option"

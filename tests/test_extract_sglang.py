@@ -33,6 +33,7 @@ from eyas.extract.backends.sglang import (
     read_capture,
     topk_from_answer,
 )
+from eyas.extract.capture_hook import ERROR_FILE
 from tests.sglang_extract_double import serve_extract_double
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,6 +204,54 @@ def test_the_canary_fails_when_the_two_channels_disagree(random_target_dir, capt
             connect(url, random_target_dir).features(SAMPLES)
     assert f"SGLang server {url}: start-up canary (5 tokens): " in str(err.value)
     assert message in str(err.value)
+
+
+def test_a_hook_error_stops_the_server_and_eyas_quotes_it_not_cannot_reach(random_target_dir, capture_dir, sglang_kit):
+    """SGLang stops the server when a forward hook raises (managers/scheduler.py); the request then gets no answer.
+    eyas names what stopped it: the server's state and the hook's CaptureError from the capture folder."""
+    with serve_extract_double(random_target_dir, flags=aux_flags(capture_dir), mode="drift_batch") as url:
+        with pytest.raises(SglangServerError) as err:
+            connect(url, random_target_dir).features(SAMPLES[:1])
+    lines = str(err.value).splitlines()
+    assert lines[0] == (
+        f"SGLang server {url}: start-up canary (5 tokens): the SGLang server at {url} no longer answers GET /health "
+        "during this request."
+    )
+    assert lines[1] == f"eyas's capture hook raised in the server ({capture_dir / ERROR_FILE}):"
+    assert lines[2].startswith(
+        "  CaptureError: capture hook: AttributeError: 'types.SimpleNamespace' object has no attribute "
+        "'extend_seq_lens_cpu', reading the forward of HiddenStateModel (5 positional args, forward_mode EXTEND, "
+        "rids [eyas-"
+    )
+    assert "eyas did not launch this server: its log (where it was started) has the full traceback." in lines
+    assert "cannot reach" not in str(err.value) and "HTTP 5" not in str(err.value)
+
+
+def test_a_launched_server_stopped_by_a_hook_error_is_reported_with_its_logs_lines(
+    random_target_dir, tmp_path, monkeypatch, sglang_kit
+):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("EYAS_SGLANG_EXTRACT_DOUBLE_MODE", "drift_batch")
+    monkeypatch.chdir(REPO)
+    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, capture_dir=str(tmp_path / "cap"))
+    backend = SGLangBackend(
+        cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
+        launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
+    )  # fmt: skip
+    try:
+        with pytest.raises(SglangServerError) as err:
+            backend.features(SAMPLES[:1])
+    finally:
+        backend.close()
+    message = str(err.value)
+    assert message.splitlines()[0].endswith(
+        f"the SGLang server at {backend.url} exited with code -9 during this request."
+    )
+    assert f"The server's log {tmp_path / 'sglang.log'}, where it failed:" in message
+    assert "] Scheduler hit an exception: Traceback (most recent call last):" in message
+    assert "eyas.extract.capture_hook.CaptureError: capture hook: AttributeError:" in message
+    assert message.rstrip().endswith("then start the extraction again (it resumes).")
+    assert "cannot reach" not in message
 
 
 def test_an_http_error_names_the_request_status_and_the_servers_message(random_target_dir, capture_dir, sglang_kit):

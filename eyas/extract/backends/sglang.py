@@ -63,6 +63,7 @@ from safetensors.torch import load_file
 from eyas.config import SGLangEnvConfig, SGLangExtractConfig
 from eyas.engines.sglang import SglangServer, SglangServerError, SGLangVersionError, engine_python, request_json
 from eyas.extract.backends.base import check_aux_width, check_feature_widths
+from eyas.extract.backends.sglang_failure import explain_failure
 from eyas.extract.backends.sglang_launch import (
     CAPTURE_HOOK_FACTORY,
     CAPTURE_MODULE,
@@ -77,7 +78,7 @@ from eyas.extract.backends.sglang_launch import (
     lint_server_info,
     served_capture_dir,
 )
-from eyas.extract.capture_hook import CaptureError, capture_file
+from eyas.extract.capture_hook import ERROR_FILE, CaptureError, capture_file
 from eyas.shards.encoding import TopK
 from eyas.target import find_weight
 
@@ -287,6 +288,7 @@ class SGLangBackend:
         self.cfg, self.aux_layer_ids, self.hidden_size = cfg, list(aux_layer_ids), hidden_size
         self.teacher_topk = teacher_topk
         self.target_path = target_path
+        self._server: SglangServer | None = None
         self.engine_ids, self.convention = engine_layer_ids(self.aux_layer_ids, target_path)
         with ExitStack() as stack:
             if cfg.server_url:
@@ -302,6 +304,7 @@ class SGLangBackend:
                 log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="eyas-sglang-")) / "server.log"
                 server = SglangServer(launch, log, cfg.startup_timeout_s, capture_module=CAPTURE_MODULE)
                 self.url = stack.enter_context(server)
+                self._server = server  # its process and log explain a failed request (_failure)
             self.server_info = check_server(
                 self.url, engine_ids=self.engine_ids, convention=self.convention, timeout_s=cfg.request_timeout_s,
                 allowed_versions=env.allow_unchecked_versions, trust_remote_code=trust_remote_code,
@@ -323,6 +326,7 @@ class SGLangBackend:
                 "expected a folder this machine shares with the server (the same machine or a shared volume); "
                 "a server that shares none cannot serve extraction"
             )
+        (served / ERROR_FILE).unlink(missing_ok=True)  # an earlier server's; this one's hook writes its own
         return served
 
     def _generate(self, input_ids: list[int], rid: str, canary: bool = False) -> dict:
@@ -348,14 +352,27 @@ class SGLangBackend:
     def _one(self, input_ids: list[int], where: str, canary: bool = False):
         rid = f"{RID_PREFIX}{uuid.uuid4().hex}"
         path = capture_file(self.capture_dir, rid)
-        answer = self._generate(input_ids, rid, canary)
-        wait_for_file(path, self.cfg.request_timeout_s, where)
+        try:
+            answer = self._generate(input_ids, rid, canary)
+            wait_for_file(path, self.cfg.request_timeout_s, where)
+        except SglangServerError as err:
+            failure = self._failure(err, where)
+            if failure is err:
+                raise
+            raise failure from err
         try:
             aux, last = read_capture(path, input_ids, num_aux=len(self.aux_layer_ids), hidden_size=self.hidden_size,
                                      where=where)  # fmt: skip
         finally:
             path.unlink(missing_ok=True)
         return answer, aux, last
+
+    def _failure(self, err: SglangServerError, where: str) -> SglangServerError:
+        """The request's own error while the server is up and its hook has not failed, else what stopped it, in
+        the server's words (eyas.extract.backends.sglang_failure): never a bare "cannot reach" or HTTP 5xx."""
+        server = self._server
+        return explain_failure(err, where=where, url=self.url, capture_dir=self.capture_dir,
+                               log_path=server.log_path if server else None, proc=server.proc if server else None)  # fmt: skip
 
     def canary(self, input_ids: list[int]) -> None:
         """The start-up check on one short prompt (see the module docstring)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from eyas.config import RunConfig
+from eyas.config import RunConfig, SGLangEnvConfig
 from eyas.dataset.table import read_dataset_hash, sample_lengths, tokenized_num_samples
 from eyas.layer_ids import resolve_aux_layer_ids
 from eyas.storage import LocalStorage, Storage, open_storage
@@ -35,6 +35,8 @@ class RunFacts(BaseModel):
     shards_dir: str  # the run's local copy (RUN/shards); "" = none: the stages after extraction read storage_url
     storage_url: str  # where extraction writes: the local shards dir, or s3://bucket/prefix
     s3_endpoint_url: str = ""
+    trust_remote_code: bool = False  # target.trust_remote_code: the hf backend may run the target's own code
+    sglang: SGLangEnvConfig = SGLangEnvConfig()  # the run's SGLang environment, where the sglang backend launches
 
     @property
     def num_aux(self) -> int:
@@ -82,6 +84,8 @@ def resolve_facts(config: RunConfig) -> RunFacts:
         shards_dir="" if config.train.cache_bytes else paths.shards_dir,
         storage_url=config.extract.storage_url,
         s3_endpoint_url=config.extract.s3_endpoint_url,
+        trust_remote_code=config.target.trust_remote_code,
+        sglang=config.sglang,
     )
 
 
@@ -93,6 +97,8 @@ def facts_for(
     shards_dir: str | Path = "",
     storage_url: str = "",
     s3_endpoint_url: str = "",
+    trust_remote_code: bool = False,
+    sglang: SGLangEnvConfig = SGLangEnvConfig(),
 ) -> RunFacts:
     """The facts of a run given by its parts (library callers without a RunConfig: `python -m eyas.extract`,
     benchmarks, tests). `storage_url` defaults to `shards_dir`; a local storage_url is its own shards dir."""
@@ -114,4 +120,6 @@ def facts_for(
         shards_dir=str(shards_dir),
         storage_url=storage_url,
         s3_endpoint_url=s3_endpoint_url,
+        trust_remote_code=trust_remote_code,
+        sglang=sglang,
     )

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from eyas.config import SGLangEnvConfig, SGLangExtractConfig
+from eyas.config import ExtractConfig, SGLangEnvConfig, SGLangExtractConfig
 from eyas.engines.capture_wheel import write_capture_wheel
 from eyas.engines.sglang import SglangLaunch, SglangServer, SglangServerError, SGLangVersionError
 from eyas.engines.sglang_env import check_capture_module, check_engine_environment, probe
+from eyas.extract.backends import open_backend
 from eyas.extract.backends.sglang import CAPTURE_MODULE, SGLangBackend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +175,9 @@ def test_extraction_launches_sglang_with_the_configured_interpreter_not_eyas_own
     record = tmp_path / "calls"
     python = tmp_path / "sglang-env" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\necho "$0 $*" | tr "\\n" " " >> {record}\necho >> {record}\nexec {sys.executable} "$@"\n')
+    python.write_text(
+        f'#!/bin/sh\necho "$0 $*" | tr "\\n" " " >> {record}\necho >> {record}\nexec {sys.executable} "$@"\n'
+    )
     python.chmod(0o755)
     cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=30, capture_dir=str(tmp_path / "capture"))
     with pytest.raises(SglangServerError, match=r"exited with code 2 before GET /health answered 200"):
@@ -187,3 +190,33 @@ def test_extraction_launches_sglang_with_the_configured_interpreter_not_eyas_own
     )
     assert launch_call.startswith(f"{python} -m http.server --model-path {random_target_dir} --host 127.0.0.1 ")
     assert "--forward-hooks" in launch_call and sys.executable not in launch_call
+
+
+def test_the_extraction_entry_launches_in_the_runs_sglang_environment_with_trust_remote_code(
+    tmp_path, random_target_dir, monkeypatch
+):
+    """open_backend (what every extraction worker calls, with the run's facts): the server's command is the
+    configured interpreter's, with --trust-remote-code. That interpreter answers eyas's question with an SGLang
+    0.5.23 distribution on its path, records the server's command and exits."""
+    site = fake_sglang(tmp_path / "site", "0.5.23")
+    record = tmp_path / "launches"
+    python = tmp_path / "sglang-env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ]; then echo "$0 $*" >> {record}; exit 3; fi\n'
+        f'PYTHONPATH={site}:{REPO} exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    port = free_port()
+    cfg = ExtractConfig(backend="sglang", sglang=SGLangExtractConfig(port=port, startup_timeout_s=30,
+                                                                     capture_dir=str(tmp_path / "capture")))  # fmt: skip
+    with pytest.raises(SglangServerError, match=r"exited with code 3 before GET /health answered 200"):
+        open_backend(cfg, target_path=str(random_target_dir), target_dtype="float32", aux_layer_ids=[2, 4, 5],
+                     hidden_size=64, device="cpu", trust_remote_code=True,
+                     sglang_env=SGLangEnvConfig(python=str(python)))  # fmt: skip
+    [launch] = record.read_text().splitlines()
+    assert launch.startswith(
+        f"{python} -m sglang.launch_server --model-path {random_target_dir} --host 127.0.0.1 --port {port} "
+        "--trust-remote-code --tp-size 1 "
+    )

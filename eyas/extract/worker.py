@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from eyas.config import ExtractConfig
+from eyas.config import ExtractConfig, SGLangEnvConfig
 from eyas.dataset.table import TokenizedDataset
 from eyas.extract.backends import open_backend
 from eyas.extract.backends.base import HiddenStateBackend, check_feature_widths
@@ -111,6 +111,8 @@ def extract_worker(
     target_path: str,
     worker_index: int = 0,
     on_shard: Callable[[ShardPlan], None] | None = None,
+    trust_remote_code: bool = False,
+    sglang_env: SGLangEnvConfig = SGLangEnvConfig(),
 ) -> WorkerSummary:
     """Extract and record each of `shard_indices` (an `ExtractRunMeta` gives the shards' metadata); no check of
     what is already recorded (see `run_worker`)."""
@@ -125,6 +127,8 @@ def extract_worker(
         aux_layer_ids=run_meta.aux_layer_ids,
         hidden_size=run_meta.hidden_size,
         device=worker_device(extract_cfg.device, worker_index),
+        trust_remote_code=trust_remote_code,
+        sglang_env=sglang_env,
     )
     # The file work of shard i (serialize, checksum, write, fsync, row) runs on a writer thread while
     # the backend computes shard i + 1; at most one shard waits, so memory holds two shards at most.
@@ -182,6 +186,8 @@ def run_worker(
         target_path=facts.target.model_path,
         worker_index=worker_index,
         on_shard=on_shard,
+        trust_remote_code=facts.trust_remote_code,
+        sglang_env=facts.sglang,
     )
     summary.shard_indices = list(shard_indices)
     summary.shards_already_recorded = len(shard_indices) - len(todo)

@@ -13,7 +13,7 @@ batch of any backend (eyas.extract.backends.base) before it writes anything.
 
 from __future__ import annotations
 
-from eyas.config import ExtractConfig
+from eyas.config import ExtractConfig, SGLangEnvConfig
 from eyas.extract.backends.base import AuxWidthError, HiddenStateBackend, check_aux_width, check_feature_widths
 from eyas.extract.backends.hf import HFBackend
 
@@ -35,8 +35,12 @@ def open_backend(
     aux_layer_ids: list[int],
     hidden_size: int,
     device: str,
+    trust_remote_code: bool = False,
+    sglang_env: SGLangEnvConfig = SGLangEnvConfig(),
 ) -> HiddenStateBackend:
-    """The configured backend (the sglang one is imported only when asked for)."""
+    """The configured backend (the sglang one is imported only when asked for); the sglang backend launches its
+    server in SGLang's environment `sglang_env` (the run's `sglang` section), with --trust-remote-code when
+    `trust_remote_code` (the run's target.trust_remote_code)."""
     topk = extract_cfg.teacher_topk if extract_cfg.teacher == "topk" else 0
     if extract_cfg.backend == "hf":
         return HFBackend(
@@ -48,6 +52,6 @@ def open_backend(
 
         return SGLangBackend(
             extract_cfg.sglang, target_path=target_path, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size,
-            teacher_topk=topk,
+            teacher_topk=topk, env=sglang_env, trust_remote_code=trust_remote_code,
         )  # fmt: skip
     raise ValueError(f"extract.backend={extract_cfg.backend!r}: expected 'hf' or 'sglang'")

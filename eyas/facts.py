@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eyas.config import RunConfig, SGLangEnvConfig
 from eyas.dataset.table import read_dataset_hash, sample_lengths, tokenized_num_samples
-from eyas.layer_ids import resolve_aux_layer_ids
+from eyas.layer_ids import resolve_aux_layer_ids, sglang_layer_ids
 from eyas.storage import LocalStorage, Storage, open_storage
 from eyas.target import TargetFacts
 
@@ -71,6 +71,19 @@ def shard_source(config: RunConfig) -> Storage:
 @lru_cache(maxsize=4)
 def _lengths(path: str, dataset_hash: str) -> tuple[int, ...]:
     return tuple(sample_lengths(path))
+
+
+def check_layer_ids(config: RunConfig, target: TargetFacts | None = None) -> list[int]:
+    """The run's aux layer ids (canonical), refused before any GPU time when they are out of range or not ascending
+    (resolve_aux_layer_ids), or when SGLang cannot be given them for this target: its export is for SGLang
+    (export.format) and its sglang backend launches with them, so every SGLang release from
+    export.sglang_version must capture exactly these layers for the target's class (eyas.layer_ids.sglang_layer_ids:
+    a class SGLang does not know, an id its family cannot express such as 1 on a DeepSeek-family target, or a
+    release that numbers them otherwise). `target` defaults to the target's facts read from its files."""
+    target = target or TargetFacts.read(config.target.model_path)
+    ids = resolve_aux_layer_ids(config.target.aux_layer_ids, target.num_layers)
+    sglang_layer_ids(ids, target.architectures, target.num_layers, oldest_release=config.export.sglang_version)
+    return ids
 
 
 def resolve_facts(config: RunConfig) -> RunFacts:

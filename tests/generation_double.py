@@ -15,6 +15,10 @@ Answers, as the servers' own code builds them:
   "finish_reason"}], "usage"} (no token ids); the prompt is the chat template, or the turns' text joined.
 A wrong model name is a 404 as vLLM answers it. `--fail-every K` answers every K-th request with a 500
 (what a server under memory pressure does), `--delay-s S` waits before each answer; GET /health is 200 once the model is loaded.
+`--abort-every K [--abort-times A]` aborts the first A requests of every K-th new prompt (of each endpoint) as
+SGLang answers a running request that /abort_request stopped (`aborted_answer`): HTTP 200, the tokens decoded
+until then, and finish_reason {"type": "abort", "message": "Aborted", "status_code": null, "err_type": null}
+(/v1 endpoints: finish_reason "abort").
 """
 
 from __future__ import annotations
@@ -37,15 +41,27 @@ MODEL_NAME = "tiny-target"
 
 
 class Engine:
-    def __init__(self, model_path: str, fail_every: int, delay_s: float = 0.0):
+    def __init__(self, model_path: str, fail_every: int, delay_s: float = 0.0, abort_every: int = 0,
+                 abort_times: int = 1):  # fmt: skip
         self.target = load_target(model_path, "float32")
         self.fail_every, self.counter, self.lock = fail_every, itertools.count(1), threading.Lock()
         self.delay_s = delay_s
+        self.abort_every, self.abort_times = abort_every, abort_times
+        self.prompts: dict[tuple, list[int]] = {}  # (endpoint, prompt) -> [order of first arrival, requests seen]
 
     def should_fail(self) -> bool:
         with self.lock:
             n = next(self.counter)
         return bool(self.fail_every) and n % self.fail_every == 0
+
+    def should_abort(self, endpoint: str, prompt: list[int]) -> bool:
+        """The first abort_times requests of every abort_every-th new prompt of an endpoint are aborted (an
+        operator's /abort_request reaching a running request)."""
+        with self.lock:
+            mine = sum(1 for key in self.prompts if key[0] == endpoint)
+            seen = self.prompts.setdefault((endpoint, *prompt), [mine + 1, 0])
+            seen[1] += 1
+        return bool(self.abort_every) and seen[0] % self.abort_every == 0 and seen[1] <= self.abort_times
 
     @torch.no_grad()
     def greedy(self, ids: list[int], max_new: int) -> tuple[list[int], str]:
@@ -61,6 +77,17 @@ class Engine:
 
     def decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def aborted_answer(out: list[int]) -> tuple[list[int], dict]:
+    """(output_ids, finish_reason) of a running request stopped by /abort_request, as SGLang 0.5.23 answers it:
+    Scheduler.abort_request (managers/scheduler.py) sets `req.to_finish = FINISH_ABORT()`, so the request ends
+    after one more decode step with the tokens decoded so far (here the first half of the answer, one at least);
+    its finish_reason is FINISH_ABORT().to_json() (managers/schedule_batch.py), and
+    TokenizerManager._handle_abort_finish_reason passes an abort without status_code on as a normal answer
+    (HTTP 200)."""
+    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    return out[: max(1, len(out) // 2)], finish
 
 
 def make_handler(engine: Engine):
@@ -87,6 +114,8 @@ def make_handler(engine: Engine):
             finish = (
                 {"type": "stop", "matched": out[-1]} if reason == "stop" else {"type": "length", "length": len(out)}
             )
+            if engine.should_abort(self.path, ids):
+                out, finish = aborted_answer(out)
             meta = {"id": body.get("rid") or uuid.uuid4().hex, "prompt_tokens": len(ids), "completion_tokens": len(out),
                     "cached_tokens": 0, "finish_reason": finish}  # fmt: skip
             return {"text": engine.decode(out), "output_ids": out, "meta_info": meta}
@@ -94,6 +123,9 @@ def make_handler(engine: Engine):
         def openai(self, body: dict, chat: bool) -> dict:
             ids = prompt_token_ids(engine.target.tokenizer, body["messages"]) if chat else list(body["prompt"])
             out, reason = engine.greedy(ids, int(body.get("max_tokens", 16)))
+            if engine.should_abort(self.path, ids):  # serving_completions/serving_chat: finish_reason = meta_info's ["type"]
+                out, finish = aborted_answer(out)
+                reason = finish["type"]
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": engine.decode(out)},
@@ -117,10 +149,11 @@ def main(argv=None) -> int:
     p.add_argument("--tp-size", type=int, default=1)  # accepted as eyas's launch passes it; one process here
     p.add_argument("--fail-every", type=int, default=0)
     p.add_argument("--delay-s", type=float, default=0.0, help="wait this long before each answer")
+    p.add_argument("--abort-every", type=int, default=0, help="abort every K-th new prompt (0: never)")
+    p.add_argument("--abort-times", type=int, default=1, help="... on its first A requests")
     args = p.parse_args(argv)
-    server = ThreadingHTTPServer(
-        (args.host, args.port), make_handler(Engine(args.model_path, args.fail_every, args.delay_s))
-    )
+    engine = Engine(args.model_path, args.fail_every, args.delay_s, args.abort_every, args.abort_times)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine))
     server.daemon_threads = True
     print(f"generation double serving {args.model_path} on {args.host}:{args.port}", flush=True)
     server.serve_forever()
@@ -131,7 +164,8 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def start(model_path, port: int, *, fail_every: int = 0, delay_s: float = 0.0, log_path=None):
+def start(model_path, port: int, *, fail_every: int = 0, delay_s: float = 0.0, abort_every: int = 0,
+          abort_times: int = 1, log_path=None):  # fmt: skip
     """The double as a process on 127.0.0.1:port, returned once GET /health answers 200."""
     import os
     import subprocess
@@ -141,7 +175,8 @@ def start(model_path, port: int, *, fail_every: int = 0, delay_s: float = 0.0, l
 
     repo = Path(__file__).resolve().parents[1]
     argv = [sys.executable, "-m", "tests.generation_double", "--model-path", str(model_path), "--port", str(port),
-            "--fail-every", str(fail_every), "--delay-s", str(delay_s)]  # fmt: skip
+            "--fail-every", str(fail_every), "--delay-s", str(delay_s), "--abort-every", str(abort_every),
+            "--abort-times", str(abort_times)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -110,6 +110,43 @@ def test_a_wrong_model_name_fails_every_prompt_and_the_stage_says_so(servers, ti
     assert len(records) == NUM_PROMPTS and {r["status"] for r in records.values()} == {"failed"}
 
 
+@pytest.fixture(scope="module")
+def aborting(tiny_target_dir, tmp_path_factory):
+    """A double that aborts the first request of every 4th new prompt of each endpoint as SGLang answers a request
+    stopped by /abort_request (generation_double.aborted_answer: HTTP 200, partial output_ids, finish_reason
+    abort)."""
+    port = free_port()
+    proc = start(tiny_target_dir, port, abort_every=4, log_path=tmp_path_factory.mktemp("aborting") / "double.log")
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+def test_an_aborted_answer_is_retried_and_never_kept_as_a_response(aborting, reference, tiny_target_dir, tmp_path):
+    ref_config, ref = reference
+    config = run_config(tmp_path, tiny_target_dir, "run", generator="sglang", server_urls=[aborting], max_in_flight=3)
+    acct = build_dataset(config).accounting
+    assert acct["answered"] == NUM_PROMPTS and acct["failed"] == 0 and acct["retried"] == NUM_PROMPTS // 4
+    assert table(config) == table(ref_config)  # no partial, aborted answer among the responses
+    log = config.paths.dataset_dir / f"responses-{dataset_cache_key(config.dataset, config.target.model_path)}.log"
+    records = ResponseLog(log).read().values()
+    assert sorted(r["attempts"] for r in records) == [1] * (NUM_PROMPTS - NUM_PROMPTS // 4) + [2] * (NUM_PROMPTS // 4)
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+
+
+def test_an_answer_aborted_at_every_attempt_is_counted_failed_with_the_reason(aborting, tiny_target_dir, tmp_path):
+    """Through the OpenAI-compatible endpoint (SGLang's /v1/completions says finish_reason "abort")."""
+    config = run_config(tmp_path, tiny_target_dir, "run", generator="openai", server_urls=[aborting],
+                        openai_model=MODEL_NAME, max_attempts=1)  # fmt: skip
+    with pytest.raises(DatasetError) as err:
+        build_dataset(config)
+    reason, aborted = f"{aborting}: aborted by the server (finish_reason abort)", NUM_PROMPTS // 4
+    assert f"{aborted} of {NUM_PROMPTS} prompts failed every attempt ({{'{reason}': {aborted}}})" in str(err.value)
+    log = config.paths.dataset_dir / f"responses-{dataset_cache_key(config.dataset, config.target.model_path)}.log"
+    failed = [r for r in ResponseLog(log).read().values() if r["status"] == "failed"]
+    assert len(failed) == aborted and {r["reason"] for r in failed} == {reason}
+
+
 def test_the_log_drops_a_torn_last_line_and_refuses_a_damaged_one(tmp_path):
     log = ResponseLog(tmp_path / "r.log")
     for i in range(3):

@@ -17,6 +17,8 @@ Generators (one interface: `answer(item) -> Answer`, or `answer_batch(items)` fo
 Every server URL of `dataset.generation.server_urls` gets `max_in_flight` worker threads that take requests
 from one queue, so a slow or dead server takes less of the work. A failed request is retried (up to
 `max_attempts`, backoff 0.5 s doubling to 8 s, on any server); then it is recorded as failed with its reason.
+An answer the server aborted (HTTP 200 with finish_reason "abort" and the tokens decoded until then) is a
+failed request, never a response.
 
 The log (`ResponseLog`): one record a line, `xxh3-128:<digest> {id, status, output_ids, finish_reason,
 token_ids_source, attempts, reason}`, the digest that of the JSON after it (eyas.checksum); lines are written and flushed one by
@@ -218,6 +220,15 @@ def _post(url: str, body: dict, timeout_s: float) -> dict:
         raise RequestFailed(str(err)) from err
 
 
+def _aborted(message) -> str:
+    """The reason of an answer the server aborted, which is no response: SGLang answers a request stopped by
+    /abort_request (Scheduler.abort_request sets FINISH_ABORT(), managers/schedule_batch.py) or dropped from its
+    waiting queue with HTTP 200, the tokens decoded so far and finish_reason {"type": "abort", "message": ...}
+    (TokenizerManager._handle_abort_finish_reason turns only an abort with a status code into an HTTP error);
+    its /v1 endpoints and vLLM's say finish_reason "abort"."""
+    return f"aborted by the server (finish_reason abort{f': {message}' if message else ''})"
+
+
 class SGLangGenerator:
     """SGLang's /generate with input_ids; the answer's output_ids are the tokens kept."""
 
@@ -234,8 +245,10 @@ class SGLangGenerator:
         ids = answer.get("output_ids") if isinstance(answer, dict) else None
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise RequestFailed(f"answer without output_ids: {str(answer)[:200]}")
-        reason = ((answer.get("meta_info") or {}).get("finish_reason") or {}).get("type", "unknown")
-        return Answer(ids, str(reason), "server")
+        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            raise RequestFailed(_aborted(finish.get("message")))
+        return Answer(ids, str(finish.get("type", "unknown")), "server")
 
 
 class OpenAIGenerator:
@@ -262,6 +275,8 @@ class OpenAIGenerator:
         except (KeyError, IndexError, TypeError) as err:
             raise RequestFailed(f"answer without choices[0]: {str(answer)[:200]}") from err
         reason = str(choice.get("finish_reason") or "unknown")
+        if reason == "abort":
+            raise RequestFailed(_aborted(None))
         ids = choice.get("token_ids")
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             return Answer(ids, reason, "server")

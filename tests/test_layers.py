@@ -14,6 +14,7 @@ LAYERS = ("eyas", "tasks", "flows", "eyas_cli", "bench")
 # The library's packages and shared modules, bottom up (the pipeline's order: every stage reads what the
 # stages before it leave). An import goes to a lower rank, or stays inside its own package.
 LIBRARY_RANKS = {
+    "eyas.sglang_layer_rules": -1,  # data generated from SGLang's source (scripts/sglang_layer_rules.py)
     "eyas.config": 0,
     "eyas.checksum": 0,
     "eyas.fsio": 0,

@@ -8,7 +8,9 @@ a `kimi_k2` / DeepseekV3ForCausalLM `text_config`, a `vision_config`; deepseek-a
 with `auto_map` for its own modeling file, which transformers also ships), trimmed to the fields eyas and
 SGLang's argument code read. The weights are safetensors headers only: the tensors' names, dtypes and shapes
 as the checkpoints have them (the embedding, the lm_head, a layer's norm), with no data after the header,
-which is all eyas reads of a target's weights outside extraction (facts, fingerprint).
+which is all eyas reads of a target's weights outside extraction (facts, fingerprint). Kimi-K2.5's
+tokenizer_config.json names its own tokenizer class (tokenization_kimi.TikTokenTokenizer, which transformers
+does not ship), as the published one does.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ TENSORS = {
         ("vision_tower.encoder.blocks.0.norm0.weight", "BF16", [1152]),
     ],
 }
+TOKENIZER_CONFIGS = {
+    "kimi-k2.5": {"tokenizer_class": "TikTokenTokenizer",
+                  "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}},
+}  # fmt: skip
 _BYTES = {"BF16": 2, "F32": 4}
 
 
@@ -87,4 +93,6 @@ def write_target(out: Path, name: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(CONFIGS[name], indent=1))
     write_header_only(out / "model-00001-of-00001.safetensors", TENSORS[name])
+    if name in TOKENIZER_CONFIGS:
+        (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIGS[name], indent=1))
     return out

@@ -68,6 +68,28 @@ def test_remap_to_eyas_without_an_embedding_names_the_fix(ckpt, tmp_path):
     )
 
 
+def test_remap_takes_the_embedding_of_a_wrapped_target_from_its_file_or_its_directory(ckpt, tmp_path):
+    """Kimi-K2.5 keeps its text model under `language_model.`, its embedding in one of many shards beside the
+    vision tower's tensors: --embed-from takes that shard, or the target's directory (the shard found there)."""
+    source = read_checkpoint(ckpt)
+    out = export_checkpoint(ckpt, tmp_path / "sglang", to="sglang")
+    target = tmp_path / "kimi"
+    target.mkdir()
+    embed = source.state["embed_tokens.weight"]
+    save_file({"vision_tower.encoder.blocks.0.norm0.weight": torch.ones(8)}, target / "model-00001-of-00002.safetensors")
+    save_file({"language_model.model.embed_tokens.weight": embed, "language_model.model.layers.3.embed_tokens.weight":
+               torch.zeros_like(embed)}, target / "model-00002-of-00002.safetensors")  # fmt: skip
+    for embed_from in (target / "model-00002-of-00002.safetensors", target):
+        back = remap_checkpoint(out, tmp_path / "back", to="eyas", embed_from=embed_from)
+        assert torch.equal(read_checkpoint(back).state["embed_tokens.weight"], embed), embed_from
+    with pytest.raises(ExportError) as err:
+        remap_checkpoint(out, tmp_path / "x", to="eyas", embed_from=tmp_path / "sglang")
+    assert str(err.value) == (
+        f"embed_from {tmp_path / 'sglang'}: a directory whose *.safetensors hold no *embed_tokens.weight; expected "
+        "the target's model directory or the weights file that holds its input embedding"
+    )
+
+
 def test_remap_from_eagle_needs_the_target_layer_count(ckpt, tmp_path):
     out = export_checkpoint(ckpt, tmp_path / "eagle", to="eagle")
     (out / "eyas_export.json").unlink()

@@ -41,7 +41,9 @@ def test_kimi_facts_come_from_the_text_config_and_the_wrappers_weight_names(kimi
     assert (facts.num_layers, facts.hidden_size, facts.vocab_size) == (61, 7168, 163840)
     assert facts.architectures == ["KimiK25ForConditionalGeneration"]
     assert facts.text_architectures == ["DeepseekV3ForCausalLM"] and facts.tie_word_embeddings is False
-    assert facts.remote_code["AutoModelForCausalLM"] == "modeling_kimi_k25.KimiK25ForConditionalGeneration"
+    # transformers ships kimi_k25 (its class reads the kimi_k2 text config as deepseek_v3): only the tokenizer's
+    # own class needs code from the directory
+    assert facts.remote_code == {"AutoTokenizer": "tokenization_kimi.TikTokenTokenizer"}
     summary = facts.summary()
     assert summary["default_aux_layer_ids"] == [2, 30, 58]
     assert summary["layer_numbering"] == {"hf_hidden_states": [2, 30, 58], "sglang_deepseek": [1, 29, 57],
@@ -70,13 +72,26 @@ def test_eyas_target_prints_the_facts(kimi):
     assert "needs its own code to load (target.trust_remote_code: true)" in text
 
 
-def test_loading_a_remote_code_target_needs_the_explicit_field(kimi):
+def test_loading_a_target_whose_tokenizer_needs_remote_code_needs_the_explicit_field(kimi):
     with pytest.raises(TargetError) as err:
         load_target(kimi)
     message = str(err.value)
-    assert "model_type 'kimi_k25' is not one transformers ships" in message
-    assert "AutoModelForCausalLM -> modeling_kimi_k25.KimiK25ForConditionalGeneration" in message
-    assert "files configuration_kimi_k25.py, modeling_kimi_k25.py" in message
+    assert "its tokenizer_class 'TikTokenTokenizer' is not one transformers ships" in message
+    assert "AutoTokenizer -> tokenization_kimi.TikTokenTokenizer" in message
+    assert "files tokenization_kimi.py" in message and "kimi_k25" not in message
+    assert "expected target.trust_remote_code: true in the run config" in message
+
+
+def test_loading_a_model_type_transformers_does_not_ship_needs_the_explicit_field(tmp_path):
+    config = {"architectures": ["MyLMForCausalLM"], "model_type": "my_lm", "hidden_size": 64, "num_hidden_layers": 4,
+              "auto_map": {"AutoConfig": "configuration_my_lm.MyLMConfig",
+                           "AutoModelForCausalLM": "modeling_my_lm.MyLMForCausalLM"}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetError) as err:
+        load_target(tmp_path)
+    message = str(err.value)
+    assert "model_type 'my_lm' is not one transformers ships" in message
+    assert "files configuration_my_lm.py, modeling_my_lm.py" in message
     assert "expected target.trust_remote_code: true in the run config" in message
 
 

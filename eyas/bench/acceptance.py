@@ -200,12 +200,14 @@ def run_benchmark(
     num_threads: int | None = BENCH_NUM_THREADS,
     compare_uncached_draft: bool = False,
     progress: Callable[[dict], None] | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
     """tau and per-position acceptance of the exported draft, a random draft and the n-gram drafter, and
     the trained draft's wall time against plain greedy decoding; the fields are BENCHMARK_FIELDS.
     `device` "cuda" runs the same exact loop on a GPU (float64 there too). `num_threads`: torch threads for the
     run (None: as set). `compare_uncached_draft` also runs the trained draft without its cache, side by side.
-    `progress`: called with a dict per prompt (module docstring)."""
+    `progress`: called with a dict per prompt (module docstring). `trust_remote_code`: the run's
+    target.trust_remote_code (the tokenizer's code, or a model transformers does not ship)."""
     start = time.perf_counter()
     if not prompts:
         raise ValueError("benchmark: no prompts; expected at least one held-out prompt")
@@ -217,11 +219,11 @@ def run_benchmark(
         )
     _check_provenance(export_dir, target_path)
     with torch_threads(num_threads):
-        model = load_target_float64(target_path)
+        model = load_target_float64(target_path, trust_remote_code=trust_remote_code)
         draft = load_exported_draft(export_dir, embed_weight(model))
         random_draft = build_draft(draft.arch, draft.embed_tokens.weight, draft.d2t, draft.t2d, seed=random_draft_seed)
         model, draft, random_draft = model.to(device), draft.to(device), random_draft.to(device)
-        encoded = encode_prompts(prompts, target_path)
+        encoded = encode_prompts(prompts, target_path, trust_remote_code=trust_remote_code)
         tree = dict(topk=topk, num_draft_tokens=num_draft_tokens)
         drafters = {
             "trained": (draft, tree),
@@ -351,6 +353,7 @@ def bench_run(config: RunConfig, export_dir: str | Path, progress: Callable[[dic
             num_draft_tokens=b.draft_tokens,
             ngram_max_n=b.ngram_max_n,
             progress=progress,
+            trust_remote_code=config.target.trust_remote_code,
         )
     path = write_benchmark_json(result, config.paths.bench_dir / BENCHMARK_FILE)
     return {**result, "path": str(path)}

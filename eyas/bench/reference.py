@@ -32,7 +32,7 @@ import torch
 
 from eyas.bench.proposers import DraftProposer, Node
 from eyas.draft import Eagle3Draft
-from eyas.target import HF_LOAD_LOCK, target_features
+from eyas.target import load_target_model, target_features
 
 
 class LosslessError(AssertionError):
@@ -66,15 +66,10 @@ def check_float64(model: torch.nn.Module) -> None:
         )
 
 
-def load_target_float64(target_path: str | Path) -> torch.nn.Module:
-    """The target model in float64, eval mode (no tokenizer needed)."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(target_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target {path}: no config.json; expected a Hugging Face model directory")
-    with HF_LOAD_LOCK:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+def load_target_float64(target_path: str | Path, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The target model in float64, eval mode (no tokenizer needed); a wrapped target (Kimi-K2.5) as its text
+    model, MoE experts run eagerly (eyas.target.load_target_model)."""
+    return load_target_model(target_path, "float64", trust_remote_code=trust_remote_code)
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:

@@ -43,7 +43,8 @@ from eyas.fsio import checked_safetensors_header
 from eyas.layer_ids import default_aux_layer_ids
 from eyas.train.checkpoint import DraftCheckpoint, read_checkpoint
 
-EMBED_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
+# the target input embedding's names: an eyas checkpoint's, a causal LM's, a wrapper's (Kimi-K2.5)
+EMBED_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
 
 
 def arch_from_config(fmt: str, config: dict, where: str, producer: str | None = None, convention: str | None = None):

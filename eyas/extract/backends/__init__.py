@@ -38,14 +38,15 @@ def open_backend(
     trust_remote_code: bool = False,
     sglang_env: SGLangEnvConfig = SGLangEnvConfig(),
 ) -> HiddenStateBackend:
-    """The configured backend (the sglang one is imported only when asked for); the sglang backend launches its
-    server in SGLang's environment `sglang_env` (the run's `sglang` section), with --trust-remote-code when
-    `trust_remote_code` (the run's target.trust_remote_code)."""
+    """The configured backend (the sglang one is imported only when asked for); `trust_remote_code` (the run's
+    target.trust_remote_code) lets the hf backend run a model whose code comes from its directory and the sglang
+    backend's server load it (--trust-remote-code); `sglang_env` (the run's `sglang` section) is SGLang's
+    environment, where the sglang backend launches its server."""
     topk = extract_cfg.teacher_topk if extract_cfg.teacher == "topk" else 0
     if extract_cfg.backend == "hf":
         return HFBackend(
             target_path, target_dtype=target_dtype, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size,
-            device=device, teacher_topk=topk,
+            device=device, teacher_topk=topk, trust_remote_code=trust_remote_code,
         )  # fmt: skip
     if extract_cfg.backend == "sglang":
         from eyas.extract.backends.sglang import SGLangBackend

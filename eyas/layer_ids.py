@@ -14,6 +14,7 @@ No torch here: `eyas inspect` uses this module on headers and JSON only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from eyas.sglang_layer_rules import RELEASES as SGLANG_RELEASES
@@ -156,7 +157,8 @@ def from_engine_layer_ids(engine: list[int], convention: str) -> list[int]:
 # in Llama's numbering stay below N - 1 and are always shifted.
 SGLANG_RULES = {
     "plus_one": (lambda ids, n: [i + 1 for i in ids], "sglang_llama"),
-    "plus_one_if_first_is_1": (lambda ids, n: [i + 1 for i in ids] if ids[:1] == [1] else list(ids), "sglang_deepseek"),
+    "plus_one_if_first_is_1": (lambda ids, n: [i + 1 for i in ids] if ids[:1] == [1] else list(ids),
+                               "sglang_deepseek"),
     "plus_one_unless_last_is_n": (lambda ids, n: list(ids) if ids and max(ids) == n else [i + 1 for i in ids],
                                   "sglang_llama"),
 }  # fmt: skip
@@ -168,10 +170,11 @@ class SGLangTargetError(ValueError):
 
 
 def _release_key(version: str) -> tuple[int, ...]:
-    parts = version.split(".")[:3]
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+    """(major, minor, patch); an rc/dev/post tag counts as its release."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if found is None:
         raise ValueError(f"SGLang version {version!r}: expected MAJOR.MINOR.PATCH (e.g. {SGLANG_RELEASES[-1]})")
-    return tuple(int(p) for p in parts)
+    return tuple(int(p) for p in found.groups())
 
 
 def _rule_at(architecture: str, release: str) -> str | None:
@@ -218,9 +221,12 @@ def served_class(architectures: list[str], release: str) -> tuple[str, str]:
 def _checked_release(version: str | None, architectures: list[str]) -> str:
     """The checked release whose rules hold for SGLang `version` (None: the newest checked). A version between two
     checked releases takes the older one's rule when both agree for this target; otherwise it is refused."""
-    if version is None or version in SGLANG_RELEASES:
-        return version or SGLANG_RELEASES[-1]
+    if version is None:
+        return SGLANG_RELEASES[-1]
     key = _release_key(version)
+    same = [r for r in SGLANG_RELEASES if _release_key(r) == key]
+    if same:
+        return same[0]
     older = [r for r in SGLANG_RELEASES if _release_key(r) < key]
     newer = [r for r in SGLANG_RELEASES if _release_key(r) > key]
     if not older or not newer:
@@ -239,7 +245,9 @@ def _checked_release(version: str | None, architectures: list[str]) -> str:
     return older[-1]
 
 
-def sglang_layer_ids(canonical: list[int], architectures: list[str], num_layers: int, *, oldest_release: str = "") -> list[int]:
+def sglang_layer_ids(
+    canonical: list[int], architectures: list[str], num_layers: int, *, oldest_release: str = ""
+) -> list[int]:
     """The ids to configure SGLang with (eagle_config, --return-aux-hidden-state-layer-ids) so that it captures the
     canonical ids `canonical` of a target of these architectures: written in the newest checked release's
     numbering, and read back as the same layers by every checked release from `oldest_release` on ("" = the
@@ -294,4 +302,5 @@ def _next_rule_change(architectures: list[str], release: str) -> str:
     """The first checked release after `release` whose rule for the class is the newest one."""
     newest = [_rule_at(a, SGLANG_RELEASES[-1]) for a in architectures]
     later = [r for r in SGLANG_RELEASES if _release_key(r) > _release_key(release)]
-    return next(r for r in later if all([_rule_at(a, s) for a in architectures] == newest for s in later[later.index(r) :]))
+    rules = {r: [_rule_at(a, r) for a in architectures] for r in later}
+    return next(r for at, r in enumerate(later) if all(rules[s] == newest for s in later[at:]))

@@ -150,7 +150,9 @@ def _argument(derived: list, owner: ClassDef, init: ast.FunctionDef, name: str):
                 if passed is None and name in positional and positional.index(name) < len(node.args):
                     passed = node.args[positional.index(name)]
                 if passed is not None:
-                    through = _argument(derived[:at], sub, sub_init, passed.id) if isinstance(passed, ast.Name) else None
+                    through = None
+                    if isinstance(passed, ast.Name):  # the subclass's own parameter, passed on
+                        through = _argument(derived[:at], sub, sub_init, passed.id)
                     return through or (sub, passed)
     defaults = dict(zip(positional[::-1], init.args.defaults[::-1], strict=False))
     defaults |= {a.arg: d for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults, strict=True) if d}

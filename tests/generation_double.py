@@ -123,7 +123,7 @@ def make_handler(engine: Engine):
         def openai(self, body: dict, chat: bool) -> dict:
             ids = prompt_token_ids(engine.target.tokenizer, body["messages"]) if chat else list(body["prompt"])
             out, reason = engine.greedy(ids, int(body.get("max_tokens", 16)))
-            if engine.should_abort(self.path, ids):  # serving_completions/serving_chat: finish_reason = meta_info's ["type"]
+            if engine.should_abort(self.path, ids):  # serving_completions: finish_reason = meta_info's ["type"]
                 out, finish = aborted_answer(out)
                 reason = finish["type"]
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}

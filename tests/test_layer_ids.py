@@ -25,8 +25,9 @@ def test_each_class_gets_the_rule_its_sglang_source_gives_it():
     assert sglang_convention(["DeepseekV3ForCausalLM"]) == sglang_convention(["GlmMoeDsaForCausalLM"]) == (
         "sglang_deepseek"
     )
-    for llama_like in ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForConditionalGeneration", "GptOssForCausalLM"):
-        assert sglang_convention([llama_like]) == "sglang_llama", llama_like
+    llama_like = ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForConditionalGeneration", "GptOssForCausalLM")
+    for name in llama_like:
+        assert sglang_convention([name]) == "sglang_llama", name
     assert sglang_convention(KIMI, version="0.5.12") == "sglang_llama"  # before 0.5.14 DeepSeek adds 1 always
     assert sglang_convention(KIMI, version="0.5.14") == "sglang_deepseek"
 

@@ -27,7 +27,8 @@ def derived():
 def test_the_table_covers_exactly_the_releases_and_wheels_of_the_kit():
     pins = {v: h for v, (_, h) in derivation.kit_wheels().items()}
     assert table.RELEASES == tuple(pins) and table.WHEEL_SHA256 == pins
-    installed = next(line for line in lock_file("sglang-0.5.23").read_text().splitlines() if line.startswith("sglang=="))
+    lines = lock_file("sglang-0.5.23").read_text().splitlines()
+    installed = next(line for line in lines if line.startswith("sglang=="))
     assert installed.endswith(f"--hash=sha256:{table.WHEEL_SHA256['0.5.23']}")  # the kit tests import is that wheel
 
 

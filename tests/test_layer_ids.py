@@ -66,6 +66,7 @@ def test_a_class_without_eagle3_capture_or_with_an_unreadable_rule_is_refused():
 
 def test_an_unchecked_release_takes_its_neighbours_rule_only_where_they_agree():
     assert sglang_convention(KIMI, version="0.5.15") == "sglang_deepseek"  # 0.5.14 and 0.5.16 agree
+    assert sglang_convention(KIMI, version="0.5.12.post1") == "sglang_llama"  # a tag counts as its release
     with pytest.raises(SGLangTargetError) as err:
         sglang_convention(KIMI, version="0.5.13")
     assert str(err.value) == (

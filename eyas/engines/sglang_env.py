@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from eyas.engines.sglang import SglangServerError, check_sglang_version
+from eyas.engines.sglang_release import SglangServerError, check_sglang_version
 
 # Run by the engine's interpreter: what it has, without importing SGLang (seconds) or torch.
 PROBE = """

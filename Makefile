@@ -30,6 +30,7 @@ test: $(STAMP)
 
 target: $(STAMP)
 	$(BIN)/python scripts/build_tiny_target.py --out fixtures/tiny-target
+	$(BIN)/python scripts/build_tiny_kimi_target.py --out fixtures/tiny-kimi-target
 
 clean-demo:
 	rm -rf runs/demo

@@ -334,8 +334,15 @@ def load_text_model(path: Path, text, prefix: str, **kwargs) -> torch.nn.Module:
     # transformers' load report calls the vision tensors unexpected: the checks below replace it, and it is kept
     # for the error when transformers itself refuses the weights
     reports: list[str] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" not in str(record.msg):
+            return True
+        reports.append(record.getMessage())
+        return False
+
     log = logging.getLogger("transformers.modeling_utils")
-    log.addFilter(keep := lambda r: not ("LOAD REPORT" in str(r.msg) and reports.append(r.getMessage()) is None))
+    log.addFilter(keep)
     try:
         model, info = cls.from_pretrained(
             path, config=text, key_mapping={f"^{re.escape(prefix)}": ""}, output_loading_info=True, **kwargs

@@ -226,18 +226,19 @@ class TargetFacts(BaseModel):
 
     def summary(self) -> dict:
         """The facts and what follows from them: default aux ids and each engine's numbering of them."""
-        from eyas.layer_ids import default_aux_layer_ids, sglang_convention, to_engine_layer_ids
+        from eyas.layer_ids import SGLangTargetError, default_aux_layer_ids, sglang_convention, to_engine_layer_ids
 
         ids = default_aux_layer_ids(self.num_layers)
-        sglang = sglang_convention(self.architectures + self.text_architectures)
+        numbering = {"hf_hidden_states": ids, "vllm": to_engine_layer_ids(ids, "vllm")}
+        try:
+            sglang = sglang_convention(self.architectures + self.text_architectures)
+        except SGLangTargetError as err:  # a target SGLang cannot serve with EAGLE-3: the hf backend still can
+            return {**self.model_dump(), "default_aux_layer_ids": ids, "layer_numbering": numbering,
+                    "sglang_layer_numbering": None, "sglang_refuses": str(err)}  # fmt: skip
         return {
             **self.model_dump(),
             "default_aux_layer_ids": ids,
-            "layer_numbering": {
-                "hf_hidden_states": ids,
-                sglang: to_engine_layer_ids(ids, sglang),
-                "vllm": to_engine_layer_ids(ids, "vllm"),
-            },
+            "layer_numbering": {**numbering, sglang: to_engine_layer_ids(ids, sglang)},
             "sglang_layer_numbering": sglang,
         }
 

@@ -318,6 +318,8 @@ def show_target(path: str, as_json: bool) -> int:
     print(f"  default aux layer ids {facts['default_aux_layer_ids']} (hf_hidden_states)")
     for numbering, ids in facts["layer_numbering"].items():
         print(f"    {numbering}: {ids}")
+    if facts.get("sglang_refuses"):
+        print(f"  SGLang: {facts['sglang_refuses']}")
     if facts["remote_code"]:
         print(f"  needs its own code to load (target.trust_remote_code: true): {facts['remote_code']}")
     return 0

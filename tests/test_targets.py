@@ -62,6 +62,24 @@ def test_the_tiny_target_is_a_llama(tiny_target_dir):
     assert summary["layer_numbering"]["sglang_llama"] == [1, 3, 4] and summary["remote_code"] == {}
 
 
+def test_a_target_sglang_cannot_serve_with_eagle3_still_has_its_facts(tiny_target_dir, tmp_path):
+    # the hf backend extracts any transformers model; `eyas target` says why SGLang would refuse it instead of failing
+    target = tmp_path / "gpt2-like"
+    target.mkdir()
+    for f in tiny_target_dir.iterdir():
+        if f.is_file():
+            (target / f.name).symlink_to(f)
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    (target / "config.json").unlink()
+    (target / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    summary = TargetFacts.read(target).summary()
+    assert summary["sglang_layer_numbering"] is None and "GPT2LMHeadModel" in summary["sglang_refuses"]
+    assert summary["layer_numbering"] == {"hf_hidden_states": [2, 4, 5], "vllm": [2, 4, 5]}
+    text = subprocess.run([sys.executable, "-m", "eyas_cli.main", "target", str(target)], cwd=REPO,
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "SGLang: " in text and "GPT2LMHeadModel" in text
+
+
 def test_eyas_target_prints_the_facts(kimi):
     done = subprocess.run([sys.executable, "-m", "eyas_cli.main", "target", str(kimi), "--json"], cwd=REPO,
                           capture_output=True, text=True, check=True)  # fmt: skip

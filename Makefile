@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check eyas flows tasks eyas_cli tests scripts bench
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 target: $(STAMP)
 	$(BIN)/python scripts/build_tiny_target.py --out fixtures/tiny-target

@@ -17,9 +17,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives the Prefect UI in headless Chromium (runs in the normal suite)")
 
 
+# The modules that run whole pipelines (minutes each) go first: `make test` spreads the modules over two
+# processes in this order (pytest-xdist, --dist loadfile), so the long ones overlap the many short ones.
+LONG_MODULES = ("test_worker_death", "test_pipeline", "test_kimi_target", "test_crash_vm", "test_status_server",
+                "test_ui_browser", "test_regeneration")  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=lambda item: (LONG_MODULES.index(m) if (m := item.module.__name__) in LONG_MODULES else 99))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker); none is visible")

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from eyas.export.configs import TargetRef
 from eyas.export.convert import export_sglang
 from eyas.export.inspect import inspect_drafter
+from eyas.export.reader import read_drafter
 from eyas_cli.main import main
 
 KIMI_WRAPPER = "KimiK25ForConditionalGeneration"
@@ -150,6 +151,8 @@ def test_export_records_the_numbering_and_inspect_reads_ids_in_it(tmp_path):
         " ".join(report.notes)
     )
     assert inspect_drafter(out, target=kimi).ok
+    # read back without the target (eyas remap SRC DST): the same ids, not Llama's numbering less one
+    assert read_drafter(out)[1].aux_layer_ids == [3, 4, 5]
 
 
 def test_drafter_exported_for_another_family_s_numbering_is_refused_with_the_re_export(tmp_path):

@@ -27,6 +27,7 @@ from eyas.export.drafter_dir import (
     CONFIG_FILE,
     ExportError,
     read_export_provenance,
+    recorded_numbering,
     tensor_shapes,
     weights_file,
 )
@@ -76,7 +77,9 @@ def read_drafter(
         ckpt = read_checkpoint(root)
     else:
         config = json.loads((root / CONFIG_FILE).read_text())
-        convention = format_convention(fmt, target_architectures)
+        # without the target, the numbering eyas's export recorded (a Kimi drafter's ids are not Llama's)
+        recorded = None if target_architectures else recorded_numbering(read_export_provenance(root), fmt)
+        convention = recorded or format_convention(fmt, target_architectures)
         arch, ids = arch_from_config(fmt, config, f"{root}/{CONFIG_FILE}", producer.name, convention)
         derivable = derivable_keys(fmt, arch, found)
         expected = expected_shapes(fmt, arch)

@@ -18,6 +18,7 @@ from sglang_conformance import TINY_DRAFT_CONFIG
 from eyas.bench.sglang import (
     LaunchFlagError,
     check_launch_command,
+    generate,
     lint_launch_command,
     run_sglang_benchmark,
     sglang_tau,
@@ -208,3 +209,33 @@ def test_real_sglang_accepts_the_draft_about_as_the_reference_engine_does(tmp_pa
     print(json.dumps({"reference_tau": reference["tau_mean"], "sglang_tau": result["tau_mean"]}))
     assert reference["tau_mean"] >= config.bench.min_tau  # the draft is a real one
     assert result["tau_mean"] >= SGLANG_TAU_MARGIN * reference["tau_mean"], (result["tau_mean"], reference["tau_mean"])
+
+
+def test_an_aborted_answer_is_an_error_not_a_short_answer():
+    """SGLang answers a request it aborted (Scheduler.abort_request -> FINISH_ABORT, managers/schedule_batch.py)
+    with HTTP 200, the tokens decoded so far and finish_reason {"type": "abort"}; tau must never count it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Aborting(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"text": "ab", "output_ids": [5, 6], "meta_info": {
+                "completion_tokens": 2, "spec_verify_ct": 1,
+                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Aborting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SglangServerError, match=r"aborted the request \(Abort in waiting queue\) after 2 tokens"):
+            generate(f"http://127.0.0.1:{server.server_port}", [1, 2, 3], max_new_tokens=8)
+    finally:
+        server.shutdown()

@@ -184,6 +184,15 @@ def generate(base_url: str, input_ids: list[int], max_new_tokens: int, timeout_s
             f"{base_url}/generate: answer without meta_info.completion_tokens: {str(answer)[:300]}; expected "
             "SGLang's /generate answer {text, output_ids, meta_info}: check that the server at this port is SGLang"
         )
+    finish = answer["meta_info"].get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        # an aborted request (Scheduler.abort_request, FINISH_ABORT) still answers 200 with the tokens so far:
+        # its partial count would enter tau as if the draft had stopped there
+        raise SglangServerError(
+            f"{base_url}/generate: the server aborted the request ({finish.get('message') or 'no message'}) after "
+            f"{answer['meta_info']['completion_tokens']} tokens; expected a finished answer: see the server's log "
+            "(bench/sglang-*.log) for why it aborted (memory, a timeout, /abort_request), then rerun the benchmark"
+        )
     return answer
 
 

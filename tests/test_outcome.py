@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 from eyas.config import load_run_config
@@ -35,7 +37,7 @@ def test_the_demo_ends_with_rounded_figures_the_drafter_and_its_serving_command(
     assert "lossless (output = greedy)    yes" in out
     export = config.paths.export_dir / "sglang"
     assert f"drafter (SGLang format): {export}" in out
-    assert "python -m sglang.launch_server" in out and f"--speculative-draft-model-path {export} " in out
+    assert f"{shlex.quote(sys.executable)} -m sglang.launch_server" in out and f"--speculative-draft-model-path {export} " in out
     assert "{" not in out and "2.3718" not in out
 
 

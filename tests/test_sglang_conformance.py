@@ -10,6 +10,7 @@ decides which layers the ids eyas sends capture.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -182,7 +183,7 @@ def test_engine_command_prints_what_sglang_accepts_for_every_stage(sglang_kit, t
     printed = json.loads(cli.stdout)
     # the tiny preset names no SGLang environment (sglang.python): the servers run eyas's own interpreter
     assert printed["argv"][:3] == [sys.executable, "-m", "sglang.launch_server"]
-    assert printed["command"].startswith(f"{sys.executable} -m ")
+    assert printed["command"].startswith(f"{shlex.quote(sys.executable)} -m ")
     assert resolved_server_info(printed["argv"])["return_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
 

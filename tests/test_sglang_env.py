@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from shlex import quote as q
 
 import pytest
 from packaging.requirements import Requirement
@@ -176,7 +177,7 @@ def test_extraction_launches_sglang_with_the_configured_interpreter_not_eyas_own
     python = tmp_path / "sglang-env" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(
-        f'#!/bin/sh\necho "$0 $*" | tr "\\n" " " >> {record}\necho >> {record}\nexec {sys.executable} "$@"\n'
+        f'#!/bin/sh\necho "$0 $*" | tr "\\n" " " >> {q(str(record))}\necho >> {q(str(record))}\nexec {q(sys.executable)} "$@"\n'
     )
     python.chmod(0o755)
     cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=30, capture_dir=str(tmp_path / "capture"))
@@ -203,8 +204,8 @@ def test_the_extraction_entry_launches_in_the_runs_sglang_environment_with_trust
     python = tmp_path / "sglang-env" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(
-        f'#!/bin/sh\nif [ "$1" = "-m" ]; then echo "$0 $*" >> {record}; exit 3; fi\n'
-        f'PYTHONPATH={site}:{REPO} exec {sys.executable} "$@"\n'
+        f'#!/bin/sh\nif [ "$1" = "-m" ]; then echo "$0 $*" >> {q(str(record))}; exit 3; fi\n'
+        f'PYTHONPATH={q(f"{site}:{REPO}")} exec {q(sys.executable)} "$@"\n'
     )
     python.chmod(0o755)
     monkeypatch.chdir(tmp_path)

@@ -120,6 +120,24 @@ def small_run_config(workdir: Path, tiny: Path, **sections):
     return base.model_copy(update={"workdir": str(workdir), **update})
 
 
+def gated_run_config(workdir: Path, tiny: Path, *, num_samples: int, timeout_s: int = 120):
+    """The tiny preset in `workdir` holding a tokenized table of `num_samples` samples: what a run holds when it
+    reaches the approval gate (answered within `timeout_s`)."""
+    from eyas.config import load_run_config
+
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    config = base.model_copy(
+        update={
+            "workdir": str(workdir),
+            "target": base.target.model_copy(update={"model_path": str(tiny)}),
+            "approval": base.approval.model_copy(update={"timeout_s": timeout_s}),
+        }
+    )
+    config.paths.dataset_dir.mkdir(parents=True)
+    write_tokenized(config.paths.tokenized, [[1, 2, 3, 4]] * num_samples)
+    return config
+
+
 def peak_memory_case(case: dict) -> dict:
     """`python -m eyas.train.peak_memory CASE` in a process of its own (one torch thread): measured and planned
     peaks of a training step of the case."""

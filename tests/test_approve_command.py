@@ -15,10 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_fixtures import write_tokenized
+from run_fixtures import gated_run_config
 from run_queries import top_run_tagged, wait_for
-
-from eyas.config import load_run_config
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 REPO = Path(__file__).resolve().parents[1]
@@ -53,17 +51,7 @@ def own_state_dir(prefect_server, tmp_path) -> Path:
 
 @pytest.fixture
 def config(tmp_path, tiny_target_dir):
-    base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
-    config = base.model_copy(
-        update={
-            "workdir": str(tmp_path / "run"),
-            "target": base.target.model_copy(update={"model_path": str(tiny_target_dir)}),
-            "approval": base.approval.model_copy(update={"timeout_s": 120}),
-        }
-    )
-    config.paths.dataset_dir.mkdir(parents=True)
-    write_tokenized(config.paths.tokenized, [[1, 2, 3, 4]] * 8)
-    return config
+    return gated_run_config(tmp_path / "run", tiny_target_dir, num_samples=8)
 
 
 def eyas_without_api_url(state_dir: Path, *args) -> subprocess.CompletedProcess:

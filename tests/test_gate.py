@@ -7,10 +7,8 @@ import json
 import uuid
 
 import pytest
-from run_fixtures import write_tokenized
+from run_fixtures import gated_run_config
 from run_queries import answer_when_waiting, artifacts, top_run_tagged
-
-from eyas.config import load_run_config
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
@@ -18,17 +16,7 @@ pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 @pytest.fixture
 def config(tmp_path, tiny_target_dir):
     """The tiny preset in a fresh workdir holding a tokenized table of 40 samples."""
-    base = load_run_config(tiny_target_dir.parents[1] / "deployments" / "tiny-cpu.json")
-    config = base.model_copy(
-        update={
-            "workdir": str(tmp_path / "run"),
-            "target": base.target.model_copy(update={"model_path": str(tiny_target_dir)}),
-            "approval": base.approval.model_copy(update={"timeout_s": 120}),
-        }
-    )
-    config.paths.dataset_dir.mkdir(parents=True)
-    write_tokenized(config.paths.tokenized, [[1, 2, 3, 4]] * 40)
-    return config
+    return gated_run_config(tmp_path / "run", tiny_target_dir, num_samples=40)
 
 
 def run_gate(config, answers: list[dict], accept_overrides: bool = True):

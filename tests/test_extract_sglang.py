@@ -139,16 +139,23 @@ def test_extra_args_that_override_the_aux_capture_flags_are_refused(random_targe
     assert "--pp-size, --speculative-algorithm would override what eyas sets for aux-capture mode" in str(err.value)
 
 
-def test_a_launched_server_serves_features_and_is_stopped_on_close(
-    random_target_dir, tmp_path, monkeypatch, sglang_kit
-):
+def launched_double(target_dir, tmp_path, monkeypatch) -> SGLangBackend:
+    """An SGLang backend that launches tests.sglang_extract_double (the engine's aux-capture path) on a free port,
+    logging to tmp_path/sglang.log."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(REPO)
     cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, capture_dir=str(tmp_path / "cap"))
-    backend = SGLangBackend(
-        cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
+    return SGLangBackend(
+        cfg, target_path=str(target_dir), aux_layer_ids=AUX, hidden_size=H,
         launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
     )  # fmt: skip
+
+
+def test_a_launched_server_serves_features_and_is_stopped_on_close(
+    random_target_dir, tmp_path, monkeypatch, sglang_kit
+):
+    backend = launched_double(random_target_dir, tmp_path, monkeypatch)
+    cfg = backend.cfg
     try:
         feats = backend.features(SAMPLES)
     finally:
@@ -230,14 +237,8 @@ def test_a_hook_error_stops_the_server_and_eyas_quotes_it_not_cannot_reach(rando
 def test_a_launched_server_stopped_by_a_hook_error_is_reported_with_its_logs_lines(
     random_target_dir, tmp_path, monkeypatch, sglang_kit
 ):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("EYAS_SGLANG_EXTRACT_DOUBLE_MODE", "drift_batch")
-    monkeypatch.chdir(REPO)
-    cfg = SGLangExtractConfig(port=free_port(), startup_timeout_s=180, capture_dir=str(tmp_path / "cap"))
-    backend = SGLangBackend(
-        cfg, target_path=str(random_target_dir), aux_layer_ids=AUX, hidden_size=H,
-        launch_module="tests.sglang_extract_double", log_path=tmp_path / "sglang.log",
-    )  # fmt: skip
+    backend = launched_double(random_target_dir, tmp_path, monkeypatch)
     try:
         with pytest.raises(SglangServerError) as err:
             backend.features(SAMPLES[:1])

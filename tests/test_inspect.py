@@ -1,16 +1,20 @@
-"""`eyas inspect`: the audit reads headers and config only and names every problem; `--target T` refuses a drafter
-that does not fit T; without it, layer ids are read in the numbering eyas's export recorded."""
+"""`eyas inspect`: the audit reads headers and config, and every float weight for NaN/inf, and names every problem;
+`--target T` refuses a drafter that does not fit T; without it, layer ids are read in the numbering eyas's export
+recorded."""
 
 import json
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 from draft_fixtures import write_checkpoint
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, save_file
 
 from eyas.export.configs import TargetRef
 from eyas.export.convert import export_sglang
+from eyas.export.finite import nonfinite_problems
 from eyas.export.inspect import inspect_drafter
 from eyas.export.reader import read_drafter
 from eyas_cli.main import main
@@ -165,4 +169,68 @@ def test_drafter_exported_for_another_family_s_numbering_is_refused_with_the_re_
         "canonical ids [3, 4, 5] in sglang_deepseek numbering (eyas_export.json), for a target of another family, "
         "and SGLang would capture other layers of this one than the draft was trained on: re-export for this target "
         f"(eyas remap {ckpt.resolve()} DST --to sglang --target {llama})"
+    ]
+
+
+def poison(state: dict) -> None:
+    """A diverged training's weights: a NaN in fc, +inf and -inf in the lm_head."""
+    state["fc.weight"][5, 7] = float("nan")
+    state["lm_head.weight"][0, 1] = float("inf")
+    state["lm_head.weight"][3, 2] = float("-inf")
+
+
+NONFINITE_FIX = (
+    "expected finite weights: the training diverged before this checkpoint was saved, or the file was damaged "
+    "after writing; export an earlier checkpoint (eyas remap CHECKPOINT DST --to FORMAT), or retrain with a lower "
+    "train.lr"
+)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_drafter_holding_nan_or_inf_is_refused_naming_each_tensor_and_where(tmp_path, capsys, dtype):
+    ckpt = write_checkpoint(tmp_path / "step-00000010", state_edit=poison)
+    out = export_sglang(ckpt, tmp_path / "export", dtype=dtype)
+    assert sorted(inspect_drafter(out).problems) == [
+        f"model.safetensors: tensor fc.weight [64, 192] holds non-finite values (1 NaN, 0 inf of 12,288; the first "
+        f"at [5, 7]); {NONFINITE_FIX}",
+        f"model.safetensors: tensor lm_head.weight [512, 64] holds non-finite values (0 NaN, 2 inf of 32,768; the "
+        f"first at [0, 1]); {NONFINITE_FIX}",
+    ]
+    assert len(inspect_drafter(ckpt).problems) == 2  # the training checkpoint itself, in the eyas format
+    assert main(["inspect", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "no problems found" not in printed
+    assert "  - model.safetensors: tensor fc.weight [64, 192] holds non-finite values (1 NaN" in printed
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn]
+)
+def test_every_float_dtype_is_read_a_chunk_at_a_time(tmp_path, dtype):
+    """Values spread over many 64-byte chunks: each is found, counted once, and the first one's place named;
+    e4m3fn has no inf (torch casts an inf to it as +-448, a finite value); the integer tensor beside them is not read as floats."""
+    values = torch.linspace(-2, 2, 1000).reshape(10, 100)
+    values[0, 10], values[4, 99], values[9, 99] = float("nan"), float("nan"), float("-inf")
+    path = tmp_path / "model.safetensors"
+    save_file({"w": values.to(dtype), "ids": torch.full((64,), -1, dtype=torch.int64)}, str(path))
+    nan, inf = (2, 0) if dtype == torch.float8_e4m3fn else (2, 1)
+    assert nonfinite_problems(path, chunk_bytes=64) == [
+        f"model.safetensors: tensor w [10, 100] holds non-finite values ({nan} NaN, {inf} inf of 1,000; the first "
+        f"at [0, 10]); {NONFINITE_FIX}"
+    ]
+    save_file({"w": torch.linspace(-2, 2, 1000).to(dtype)}, str(path))
+    assert nonfinite_problems(path, chunk_bytes=64) == []
+
+
+def test_a_pytorch_model_bin_is_read_for_nan_without_torch_load(tmp_path):
+    """EAGLE official's drafts ship a pytorch_model.bin: its storages are read from the archive, views included."""
+    base = torch.zeros(6, 8, dtype=torch.float16)
+    base[4, 6], base[3, 3] = float("nan"), float("inf")  # [3, 3] lies between the view's elements, not in it
+    tensors = {"fc.weight": base, "view": base[2:, ::2], "clean": torch.ones(3, dtype=torch.bfloat16)}
+    torch.save(tensors, tmp_path / "pytorch_model.bin")
+    assert nonfinite_problems(tmp_path / "pytorch_model.bin", chunk_bytes=16) == [
+        f"pytorch_model.bin: tensor fc.weight [6, 8] holds non-finite values (1 NaN, 1 inf of 48; the first at "
+        f"[3, 3]); {NONFINITE_FIX}",
+        f"pytorch_model.bin: tensor view [4, 4] holds non-finite values (1 NaN, 0 inf of 16; the first at [2, 3]); "
+        f"{NONFINITE_FIX}",
     ]

@@ -4,8 +4,9 @@ Names the producer and format (eyas.export.producers: an eyas training checkpoin
 with its release, SpecForge, EAGLE official, a vLLM-format config), reads the config as that producer
 writes it (eyas.export.configs: what is derived is listed as a note), lists every tensor with its shape,
 the draft options it turns on, which engine versions fill every tensor and run every option
-(eyas.export.serving), and every problem found, with the fix. Only the header (or the pickle of a
-pytorch_model.bin), the JSON files and the small d2t/t2d tensors are read; torch is not imported.
+(eyas.export.serving), and every problem found, with the fix: every float weight is read, a chunk at a time,
+for NaN and inf (eyas.export.finite); otherwise the header (or the pickle of a pytorch_model.bin), the JSON
+files and the small d2t/t2d tensors are read; torch is not imported.
 `--engine sglang<=0.5.11` (any key of ENGINES) also makes a problem of a drafter that engine version
 would not run as trained (e.g. `layers.0.*`, which SGLang <= 0.5.11 drops, or an option it ignores).
 
@@ -37,6 +38,7 @@ from eyas.export.drafter_dir import (
     tensor_shapes,
     weights_file,
 )
+from eyas.export.finite import nonfinite_problems
 from eyas.export.keys import (
     KeyCheckError,
     check_keys,
@@ -138,6 +140,7 @@ def inspect_drafter(
     producer = identify_producer(root, shapes)
     config = json.loads((root / ("arch.json" if producer.format == "eyas" else "config.json")).read_text())
     report = InspectReport(root, producer, shapes, config)
+    report.problems += nonfinite_problems(weights)
     provenance = read_export_provenance(root)
     convention = _numbering(report, ref, provenance)
     arch, ids = _read_arch(report, convention)

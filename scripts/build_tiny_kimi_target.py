@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from build_tiny_target import SEQ_LEN, batches, encode_corpus, perplexity, read_text, stdlib_files
+from build_tiny_target import SEQ_LEN, encode_corpus, perplexity, read_text, stdlib_files, train
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -99,30 +98,6 @@ def checkpoint_tensors(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
     return dict(sorted(tensors.items()))
 
 
-def train(model, train_ids, args) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
-    )
-    stream = batches(train_ids, args.batch_size, torch.Generator().manual_seed(0))
-    losses, t0 = [], time.time()
-    model.train()
-    for step in range(args.steps):
-        batch = next(stream)
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:6.0f}s", flush=True)
-    return losses
-
-
 def copy_prompts(source: Path, out: Path, count: int) -> None:
     lines = source.read_text().splitlines(keepends=True)
     if len(lines) < count:
@@ -154,7 +129,7 @@ def main() -> None:
     model = make_text_model()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"tokens: train {train_ids.numel():,}  held-out {held_ids.numel():,}; model: {num_params:,} parameters")
-    losses = train(model, train_ids, args)
+    losses = train(model, train_ids, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
     model = model.to(torch.bfloat16).to(torch.float32)  # perplexity of the weights as written
     held_ppl, train_ppl = perplexity(model, held_ids), perplexity(model, train_ids)
     print(f"perplexity: held-out {held_ppl:.2f}  train {train_ppl:.2f}  (vocab {VOCAB_SIZE})")

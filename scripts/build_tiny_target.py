@@ -103,6 +103,31 @@ def batches(ids: torch.Tensor, batch_size: int, gen: torch.Generator):
         yield torch.stack([ids[s : s + SEQ_LEN + 1] for s in starts.tolist()])
 
 
+def train(model, train_ids: torch.Tensor, *, steps: int, batch_size: int, lr: float) -> list[float]:
+    """Next-token training with AdamW, a linear warm-up and a cosine decay; the loss of every step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
+    )
+    stream = batches(train_ids, batch_size, torch.Generator().manual_seed(0))
+    losses, t0 = [], time.time()
+    model.train()
+    for step in range(steps):
+        batch = next(stream)
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:6.0f}s", flush=True)
+    return losses
+
+
 @torch.no_grad()
 def perplexity(model: LlamaForCausalLM, ids: torch.Tensor, num_windows: int = 64) -> float:
     model.eval()
@@ -171,28 +196,8 @@ def main() -> None:
     model = make_model()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params:,} parameters")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
-    )
-    gen = torch.Generator().manual_seed(0)
-    stream = batches(train_ids, args.batch_size, gen)
-    losses = []
     t0 = time.time()
-    model.train()
-    for step in range(args.steps):
-        batch = next(stream)
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:6.0f}s", flush=True)
+    losses = train(model, train_ids, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
 
     held_ppl = perplexity(model, held_ids)
     train_ppl = perplexity(model, train_ids)

@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from eyas.fsio import MAX_HEADER_BYTES, read_safetensors_header  # noqa: F401 -- re-exported
+from eyas.target_check import config_shape_problem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -209,9 +210,13 @@ class TargetFacts(BaseModel):
 
     @classmethod
     def read(cls, model_path: str | Path) -> "TargetFacts":
+        """The facts, once config.json is checked against the weight headers (eyas.target_check)."""
         config = read_target_config(model_path)
         text = text_config(config)
         num_layers, hidden = target_dims(model_path)
+        problem = config_shape_problem(model_path, config, text_weight_prefix(model_path))
+        if problem is not None:
+            raise TargetError(problem)
         return cls(
             model_path=str(model_path),
             num_layers=num_layers,

@@ -22,6 +22,7 @@ LIBRARY_RANKS = {
     "eyas.markdown": 0,
     "eyas.draft_keys": 0,
     "eyas.attention": 0,
+    "eyas.target_check": 0.5,  # the target's config.json against its weight headers, read by eyas.target
     "eyas.draft": 1,
     "eyas.target": 1,
     "eyas.engines": 1,

@@ -1,18 +1,20 @@
 """A target's facts from config.json and weight headers, without remote code: the tiny Llama, and config-only
 targets shaped like DeepSeek-V3 and Kimi-K2.5 (a multimodal wrapper around a DeepSeek-V3-style text model),
 carried through the stages that read them: the extraction command (checked by SGLang's own code), the export
-config, the benchmark's lint and `eyas engine-command`."""
+config, the benchmark's lint and `eyas engine-command`; a config.json that does not describe its weights (one
+checkpoint file or shards under model.safetensors.index.json) is refused before any stage reads its facts."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from draft_fixtures import write_checkpoint
 from sglang_conformance import resolved_server_info
-from target_fixtures import write_target
+from target_fixtures import CONFIGS, write_header_only, write_target
 
 from eyas.bench.sglang import lint_launch_command
 from eyas.config import SGLangExtractConfig, load_run_config
@@ -21,6 +23,7 @@ from eyas.export.configs import TargetRef
 from eyas.export.convert import export_checkpoint
 from eyas.extract.backends.sglang import build_extract_command, lint_server_info
 from eyas.target import TargetError, TargetFacts, load_target
+from eyas.target_check import config_shape_problem
 from eyas_cli.engine_command import engine_command
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -194,3 +197,110 @@ def test_kimi_facts_reach_extraction_planning_verification_and_status(kimi, tmp_
     assert expected_shard_meta(facts, "bfloat16").hidden_size == 7168
     stages = {s.stage: s for s in run_status(config).stages}
     assert stages["extract"].state != "unreadable" and "dataset" in stages
+
+
+def with_config(source, out, edit) -> "__import__('pathlib').Path":
+    """A copy of the target `source` whose config.json `edit(config)` changed (the weights as they were)."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_kimi_config_whose_hidden_size_is_not_the_weights_is_refused_naming_field_weights_and_fix(tmp_path, capsys):
+    from eyas_cli.main import main
+
+    tiny_kimi = REPO / "fixtures" / "tiny-kimi-target"
+    wrong = with_config(tiny_kimi, tmp_path / "kimi", lambda c: c["text_config"].update(hidden_size=256))
+    expected = (
+        f"target {wrong}: config.json does not describe its weights (text_config.hidden_size 256, the weights 128): "
+        "language_model.model.embed_tokens.weight in model.safetensors is [2048, 128], config.json gives [2048, 256] "
+        "= [vocab_size, hidden_size]; language_model.lm_head.weight in model.safetensors is [2048, 128], config.json "
+        "gives [2048, 256] = [vocab_size, hidden_size]; language_model.model.norm.weight in model.safetensors is "
+        "[128], config.json gives [256] = [hidden_size]; language_model.model.layers.0.input_layernorm.weight in "
+        "model.safetensors is [128], config.json gives [256] = [hidden_size]; and 7 more; expected the config.json "
+        "published with these weights: set text_config.hidden_size to 128, or use the weights this config is for"
+    )
+    with pytest.raises(TargetError) as err:
+        TargetFacts.read(wrong)
+    assert str(err.value) == expected
+    assert main(["target", str(wrong)]) == 2
+    assert capsys.readouterr().err == f"eyas target: {expected}\n"
+    assert TargetFacts.read(tiny_kimi).hidden_size == 128  # the committed fixture itself is consistent
+
+
+def test_a_head_count_the_weights_disagree_with_names_the_fields_of_the_projection(tiny_target_dir, tmp_path):
+    wrong = with_config(tiny_target_dir, tmp_path / "llama", lambda c: c.update(num_key_value_heads=4))
+    with pytest.raises(TargetError) as err:
+        TargetFacts.read(wrong)
+    assert str(err.value) == (
+        f"target {wrong}: config.json does not describe its weights: model.layers.0.self_attn.k_proj.weight in "
+        "model.safetensors is [64, 128], config.json gives [128, 128] = [num_key_value_heads * head_dim = 4 * 32, "
+        "hidden_size]; model.layers.0.self_attn.v_proj.weight in model.safetensors is [64, 128], config.json gives "
+        "[128, 128] = [num_key_value_heads * head_dim = 4 * 32, hidden_size]; expected the config.json published "
+        "with these weights: check num_key_value_heads, head_dim, or use the weights this config is for"
+    )
+
+
+# Kimi-K2.5's text model at its real shape, as three shards: layer 0 (MLA attention, dense MLP) with the
+# embedding, the lm_head and final norm, and the vision tower.
+LAYER0 = "language_model.model.layers.0."
+KIMI_SHARDS = {
+    "model-00001-of-00003.safetensors": [
+        ("language_model.model.embed_tokens.weight", "BF16", [163840, 7168]),
+        *[(LAYER0 + n, "BF16", [7168]) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")],
+        (LAYER0 + "self_attn.q_a_proj.weight", "BF16", [1536, 7168]),
+        (LAYER0 + "self_attn.q_a_layernorm.weight", "BF16", [1536]),
+        (LAYER0 + "self_attn.q_b_proj.weight", "BF16", [128 * 192, 1536]),
+        (LAYER0 + "self_attn.kv_a_proj_with_mqa.weight", "BF16", [512 + 64, 7168]),
+        (LAYER0 + "self_attn.kv_a_layernorm.weight", "BF16", [512]),
+        (LAYER0 + "self_attn.kv_b_proj.weight", "BF16", [128 * 256, 512]),
+        (LAYER0 + "self_attn.o_proj.weight", "BF16", [7168, 128 * 128]),
+        *[(LAYER0 + f"mlp.{n}_proj.weight", "BF16", [18432, 7168]) for n in ("gate", "up")],
+        (LAYER0 + "mlp.down_proj.weight", "BF16", [7168, 18432]),
+    ],
+    "model-00002-of-00003.safetensors": [
+        ("language_model.lm_head.weight", "BF16", [163840, 7168]),
+        ("language_model.model.norm.weight", "BF16", [7168]),
+    ],
+    "model-00003-of-00003.safetensors": [("vision_tower.encoder.blocks.0.norm0.weight", "BF16", [1152])],
+}
+
+
+def write_sharded_kimi(out):
+    """The shards above with their index; the vision shard is not a safetensors file at all (nothing reads it)."""
+    out.mkdir()
+    weight_map = {name: file for file, tensors in KIMI_SHARDS.items() for name, _, _ in tensors}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for file, tensors in KIMI_SHARDS.items():
+        write_header_only(out / file, tensors)
+    (out / "model-00003-of-00003.safetensors").write_bytes(b"not read: it holds none of the checked tensors")
+    return out
+
+
+def test_a_sharded_kimi_is_checked_through_its_index_reading_only_the_shards_that_hold_the_tensors(tmp_path):
+    root = write_sharded_kimi(tmp_path / "kimi")
+    config = json.loads(json.dumps(CONFIGS["kimi-k2.5"]))
+    assert config_shape_problem(root, config, "language_model.") is None
+    config["text_config"]["kv_lora_rank"] = 256
+    assert config_shape_problem(root, config, "language_model.") == (
+        f"target {root}: config.json does not describe its weights (text_config.kv_lora_rank 256, the weights 512): "
+        f"{LAYER0}self_attn.kv_a_proj_with_mqa.weight in model-00001-of-00003.safetensors is [576, 7168], config.json "
+        "gives [320, 7168] = [kv_lora_rank + qk_rope_head_dim = 256 + 64, hidden_size]; "
+        f"{LAYER0}self_attn.kv_a_layernorm.weight in model-00001-of-00003.safetensors is [512], config.json gives "
+        f"[256] = [kv_lora_rank]; {LAYER0}self_attn.kv_b_proj.weight in model-00001-of-00003.safetensors is "
+        "[32768, 512], config.json gives [32768, 256] = [num_attention_heads * (qk_nope_head_dim + v_head_dim) = "
+        "128 * (128 + 128), kv_lora_rank]; expected the config.json published with these weights: set "
+        "text_config.kv_lora_rank to 512, or use the weights this config is for"
+    )
+
+
+def test_a_shard_the_index_names_that_is_not_there_is_an_incomplete_download(tmp_path):
+    root = write_sharded_kimi(tmp_path / "kimi")
+    (root / "model-00002-of-00003.safetensors").unlink()
+    assert config_shape_problem(root, CONFIGS["kimi-k2.5"], "language_model.") == (
+        f"target {root}: model.safetensors.index.json names 3 weight files, 1 of them not there "
+        "(model-00002-of-00003.safetensors); expected every file of the checkpoint: the download is incomplete, "
+        "finish it"
+    )

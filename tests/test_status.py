@@ -1,5 +1,6 @@
 """`eyas status`: the state of a run read from its files (empty, partly extracted, crashed, finished), the
-CLI verb, and the same snapshot as a markdown artifact through a real Prefect server."""
+CLI verb, a directory that is no run refused, and the same snapshot as a markdown artifact through a real Prefect
+server."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import pytest
 from eyas.config import load_run_config
 from eyas.gate.approval import gate_fingerprint
 from eyas.shards.synthetic import write_synthetic_run
-from eyas.status.report import record_run_config, run_status
+from eyas.status.report import NotARunError, record_run_config, run_status
 from eyas.train.metrics import last_metrics
 from eyas.verify.report import ShardReportRow, VerifyReport, write_verify_report
 
@@ -224,6 +225,82 @@ def test_a_finished_run_is_done_and_names_its_drafter(tmp_path):
     text = status.to_markdown()
     assert "acceptance: tau 2.31 (reference engine), n-gram 1.50, random draft 1.00" in text
     assert f"| exported drafter | {config.paths.export_dir / 'sglang'} | yes |" in text
+
+
+def mark_best(config, ckpt: Path) -> None:
+    """The BEST marker, as eyas.train.checkpoint.update_best writes it, naming `ckpt`."""
+    step = int(ckpt.name.removeprefix("step-"))
+    record = {"checkpoint": ckpt.name, "step": step, "tau_estimate": 2.5}
+    (config.paths.train_dir / "checkpoints" / "BEST").write_text(json.dumps(record, sort_keys=True) + "\n")
+
+
+def export_from(config, ckpt: Path) -> None:
+    provenance = config.paths.export_dir / "sglang" / "eyas_export.json"
+    provenance.write_text(json.dumps({"source_checkpoint": str(ckpt)}))
+
+
+def test_an_export_of_the_best_checkpoint_is_done_though_a_newer_one_exists(tmp_path):
+    path, config = build_finished_run(tmp_path)
+    best = write_checkpoint_dir(config.paths.train_dir, 20)
+    mark_best(config, best)
+    export_from(config, best)  # what `eyas export` writes with export.checkpoint=best, the default
+    status = run_status(path)
+    assert status.stage("export").state == "done", status.stage("export")
+    assert status.stage("export").detail == (
+        "SGLang format from step-00000020, the one BEST names (export.checkpoint=best)"
+    )
+    assert status.next_steps()[0].startswith("nothing: the run is finished.")
+
+
+def test_an_export_of_another_checkpoint_than_the_stage_would_choose_is_stale(tmp_path):
+    path, config = build_finished_run(tmp_path)
+    newest = config.paths.train_dir / "checkpoints" / "step-00000030"
+    mark_best(config, write_checkpoint_dir(config.paths.train_dir, 20))
+    export_from(config, newest)
+    status = run_status(path)
+    assert (status.stage("export").state, status.stage("export").detail) == (
+        "stale",
+        "SGLang format from step-00000030; the export stage exports step-00000020 now, the one BEST names "
+        "(export.checkpoint=best)",
+    )
+    assert status.next_steps()[0].startswith(f"`eyas export {path}`")
+    last = config.model_copy(update={"export": config.export.model_copy(update={"checkpoint": "last"})})
+    path.write_text(last.model_dump_json())
+    assert run_status(path).stage("export").detail == (
+        "SGLang format from step-00000030, the newest complete checkpoint (export.checkpoint=last)"
+    )
+    (config.paths.train_dir / "checkpoints" / "BEST").unlink()
+    assert run_status(config.paths.root).stage("export").detail == (  # no config: export.checkpoint's default
+        "SGLang format from step-00000030, the newest complete checkpoint, as no BEST marker names one "
+        "(export.checkpoint=best, the default: no config found)"
+    )
+
+
+def test_a_directory_that_holds_nothing_of_a_run_is_refused_as_not_a_run(tmp_path, capsys, monkeypatch):
+    from eyas_cli.main import main
+
+    (tmp_path / "shards").mkdir()  # a directory of that name alone does not make a run
+    (tmp_path / "notes.txt").write_text("not a run")
+    expected = (
+        f"{tmp_path}: not an eyas run: it holds no run.json (the config a run records beside its outputs), no "
+        "launches/ record of an `eyas` command, and none of the files a run's stages write "
+        "(dataset/tokenized.parquet, shards/extract.json, train/checkpoints, export/sglang, ...)"
+    )
+    with pytest.raises(NotARunError) as err:
+        run_status(tmp_path)
+    assert str(err.value) == (
+        f"{expected}; expected a run's workdir (e.g. runs/demo) or its config: `eyas status CONFIG` also reads a run "
+        "that has not started"
+    )
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert main(["status", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"eyas status: {expected}, and no preset in {REPO / 'deployments'} has it as its workdir; expected a run's "
+        "workdir (e.g. runs/demo) or its config: `eyas status CONFIG` also reads a run that has not started\n"
+    )
+    (tmp_path / "launches").mkdir()  # an `eyas` command started a run here, which died before writing anything
+    (tmp_path / "launches" / "eyas-0123abcd.json").write_text(json.dumps({"tag": "eyas-0123abcd", "pid": 1}))
+    assert set(states(run_status(tmp_path)).values()) == {"not started"}
 
 
 def test_an_approval_for_another_configuration_is_stale(tmp_path):

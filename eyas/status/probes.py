@@ -26,6 +26,7 @@ from eyas.gate.approval import (
 from eyas.shards.encoding import extract_encoding
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
+from eyas.status.launches import LAUNCHES_DIR, TAG_PREFIX
 from eyas.storage import LocalStorage
 from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, read_best, train_state
 from eyas.train.data import total_steps
@@ -267,10 +268,26 @@ def probe_export(ctx: Context) -> tuple[str, str, str]:
     source = state.provenance.get("source_checkpoint", "")
     ctx.progress["export"] = {"dir": str(out), "source_checkpoint": source}
     detail = f"SGLang format from {Path(source).name or 'an unknown checkpoint'}"
-    newest = ctx.progress.get("train", {}).get("checkpoint")
-    if newest and Path(source).name != Path(newest).name:
-        return STALE, f"{detail}; the newest complete checkpoint is {Path(newest).name}", ctx.rel(out)
-    return DONE, detail, ctx.rel(out)
+    wanted, why = export_source(ctx)
+    if wanted and Path(source).name != wanted:
+        return STALE, f"{detail}; the export stage exports {wanted} now, {why}", ctx.rel(out)
+    return DONE, f"{detail}, {why}" if wanted else detail, ctx.rel(out)
+
+
+def export_source(ctx: Context) -> tuple[str | None, str]:
+    """(the checkpoint the export stage would export now, why) as eyas.export.convert.export_run chooses it:
+    export.checkpoint best (the default, assumed without a config) = the one the BEST marker names, else the
+    newest complete one; last = the newest complete one. (None, '') before any complete checkpoint."""
+    train = ctx.progress.get("train", {})
+    newest, best = train.get("checkpoint"), train.get("best")
+    choice = ctx.config.export.checkpoint if ctx.config is not None else "best"
+    setting = f"export.checkpoint={choice}" + ("" if ctx.config is not None else ", the default: no config found")
+    if choice == "best" and best:
+        return best["checkpoint"], f"the one BEST names ({setting})"
+    if newest is None:
+        return None, ""
+    reason = "the newest complete checkpoint" + (", as no BEST marker names one" if choice == "best" else "")
+    return Path(newest).name, f"{reason} ({setting})"
 
 
 def probe_bench(ctx: Context) -> tuple[str, str, str]:
@@ -328,3 +345,14 @@ def file_table(ctx: Context) -> list[dict]:
     elif ctx.config is not None and ctx.config.extract.storage_url:
         rows.insert(6, {"what": "shards (source)", "path": ctx.config.extract.storage_url, "exists": None})
     return rows
+
+
+EVIDENCE_EXAMPLES = ("dataset/tokenized.parquet", "shards/extract.json", "train/checkpoints", "export/sglang")
+
+
+def run_evidence(workdir: Path) -> list[str]:
+    """What of a run `workdir` holds: the launch records of `eyas` commands, and every file of the run's file
+    table that exists (a bare `shards/` directory aside: the name is too common to tell a run by)."""
+    launches = sorted(str(p) for p in (Path(workdir) / LAUNCHES_DIR).glob(f"{TAG_PREFIX}*.json"))
+    rows = file_table(Context(workdir=Path(workdir), config=None))
+    return launches + [r["path"] for r in rows if r["exists"] and r["what"] != "shards"]

@@ -18,7 +18,8 @@ file's owner), never from a log:
 
 A RUN given as a directory is matched with its config through `run.json` (written by each stage's status
 artifact, tasks/status.py) or a preset in `presets_dir` whose workdir is that directory; without one the
-stages are still read and the commands say CONFIG. Nothing here imports Prefect: the flow runs a server
+stages are still read and the commands say CONFIG, unless the directory holds nothing of a run (no launch
+record, none of the files above): that is refused (NotARunError) rather than reported as a run not started. Nothing here imports Prefect: the flow runs a server
 knows of are added by the caller (`RunStatus.flow_runs`, see tasks/status.py). With a config, the training's
 memory plan per device is computed from it and the target's facts (eyas.status.progress; `eyas plan` in full).
 """
@@ -39,7 +40,7 @@ from eyas.fsio import atomic_write_text
 from eyas.gate.approval import GATE_SECTIONS
 from eyas.markdown import table
 from eyas.status import probes
-from eyas.status.launches import ALIVE, ELSEWHERE, GONE, launch_of, liveness, read_launches
+from eyas.status.launches import ALIVE, ELSEWHERE, GONE, LAUNCHES_DIR, launch_of, liveness, read_launches
 from eyas.status.probes import DONE, FAILED, REJECTED, RUNNING, STALE, UNREADABLE
 from eyas.status.progress import progress_lines, training_plan
 from eyas.train.devices import DeviceQueryFailed, query_devices
@@ -129,7 +130,19 @@ def resolve_run(run: "str | Path | RunConfig", presets_dir: Path | None = None):
         config = load_run_config(preset)
         if Path(config.workdir).resolve() == path.resolve():
             return path, config, preset
+    if not probes.run_evidence(path):
+        presets = f", and no preset in {presets_dir} has it as its workdir" if presets_dir else ""
+        raise NotARunError(
+            f"{path}: not an eyas run: it holds no {RUN_CONFIG_NAME} (the config a run records beside its outputs), "
+            f"no {LAUNCHES_DIR}/ record of an `eyas` command, and none of the files a run's stages write "
+            f"({', '.join(probes.EVIDENCE_EXAMPLES)}, ...){presets}; expected a run's workdir (e.g. runs/demo) or its "
+            "config: `eyas status CONFIG` also reads a run that has not started"
+        )
     return path, None, None
+
+
+class NotARunError(ValueError):
+    """A directory given as a run's workdir that holds nothing of a run."""
 
 
 def record_run_config(config: RunConfig) -> Path:
@@ -377,4 +390,4 @@ def format_json(status: RunStatus) -> str:
     return json.dumps(status.to_dict(), indent=2, default=str)
 
 
-__all__ = ["RunStatus", "StageState", "STAGES", "record_run_config", "resolve_run", "run_status"]
+__all__ = ["NotARunError", "RunStatus", "StageState", "STAGES", "record_run_config", "resolve_run", "run_status"]

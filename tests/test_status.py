@@ -228,10 +228,15 @@ def test_a_finished_run_is_done_and_names_its_drafter(tmp_path):
 
 
 def mark_best(config, ckpt: Path) -> None:
-    """The BEST marker, as eyas.train.checkpoint.update_best writes it, naming `ckpt`."""
-    step = int(ckpt.name.removeprefix("step-"))
-    record = {"checkpoint": ckpt.name, "step": step, "tau_estimate": 2.5}
-    (config.paths.train_dir / "checkpoints" / "BEST").write_text(json.dumps(record, sort_keys=True) + "\n")
+    """Evaluations that make `ckpt` the best of the complete checkpoints, and the BEST marker the trainer writes
+    from them (eyas.train.checkpoint.update_best)."""
+    from eyas.train.checkpoint import list_checkpoints, update_best
+
+    for _, path, _ in list_checkpoints(config.paths.train_dir):
+        state = json.loads((path / "trainer_state.json").read_text())
+        state["eval"] = {"tau_estimate": 2.5 if path == ckpt else 2.0}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+    assert update_best(config.paths.train_dir)["checkpoint"] == ckpt.name
 
 
 def export_from(config, ckpt: Path) -> None:

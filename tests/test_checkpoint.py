@@ -1,4 +1,5 @@
-"""eyas.train.checkpoint: durable step dirs, the newest complete one, rotation, strict loading."""
+"""eyas.train.checkpoint: durable step dirs, the newest complete one, rotation, strict loading, and every file checked
+against the checksums of the COMPLETE record before it is loaded (eyas.train.checkpoint_verify)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,33 @@ from draft_fixtures import SMALL_ARCH as ARCH
 from draft_fixtures import make_training, save, take_step
 from safetensors.torch import load_file, save_file
 
+from eyas.checksum import checksum_file
 from eyas.draft import DraftArch, Eagle3Draft
-from eyas.train.checkpoint import CheckpointError, latest_complete, load_draft, load_training_state
+from eyas.train.checkpoint import (
+    CheckpointError,
+    latest_complete,
+    load_draft,
+    load_training_state,
+    read_checkpoint,
+    update_best,
+)
+from eyas.train.checkpoint_verify import CheckpointDamagedError, completion_record, write_marker
+
+FILES = ["arch.json", "model.safetensors", "optimizer.pt", "rng.pt", "scheduler.pt", "trainer_state.json"]
+
+
+def flip_byte(path, at: int = -20) -> None:
+    """One byte of the file inverted in place, as a disk or a stray write does it (same size)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def rewrite_model(path, state) -> None:
+    """model.safetensors replaced and the COMPLETE record written again: a checkpoint whose checksums hold, written
+    whole with this state (what the key-set checks behind them must catch)."""
+    save_file(state, path / "model.safetensors")
+    write_marker(path, completion_record(path, int(path.name.removeprefix("step-"))))
 
 
 def test_save_writes_a_complete_step_dir(tmp_path):
@@ -43,6 +69,10 @@ def test_save_writes_a_complete_step_dir(tmp_path):
     }
     assert set(load_file(path / "model.safetensors")) == set(Eagle3Draft(ARCH).state_dict())
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert json.loads((path / "COMPLETE").read_text()) == {
+        "step": 12,
+        "files": {f: {"checksum": checksum_file(path / f), "bytes": (path / f).stat().st_size} for f in FILES},
+    }
 
 
 def test_latest_complete_is_none_without_checkpoints(tmp_path):
@@ -94,7 +124,7 @@ def test_load_draft_refuses_a_missing_key_and_lists_it(tmp_path):
     path = save(tmp_path, 1)
     state = load_file(path / "model.safetensors")
     del state["fc.weight"]
-    save_file(state, path / "model.safetensors")
+    rewrite_model(path, state)
     with pytest.raises(CheckpointError) as err:
         load_draft(path)
     assert str(err.value).startswith(
@@ -109,7 +139,7 @@ def test_load_draft_lists_every_missing_and_unexpected_key_sorted(tmp_path):
     state = load_file(path / "model.safetensors")
     del state["norm.weight"], state["d2t"]
     state["layers.0.mlp.up_proj.weight"] = state.pop("midlayer.mlp.up_proj.weight")
-    save_file(state, path / "model.safetensors")
+    rewrite_model(path, state)
     with pytest.raises(CheckpointError) as err:
         load_draft(path)
     lines = str(err.value).splitlines()[1:5]
@@ -125,7 +155,7 @@ def test_load_draft_refuses_a_wrong_shape(tmp_path):
     path = save(tmp_path, 1)
     state = load_file(path / "model.safetensors")
     state["lm_head.weight"] = torch.zeros(21, 16)
-    save_file(state, path / "model.safetensors")
+    rewrite_model(path, state)
     with pytest.raises(
         CheckpointError, match=re.escape("  shape mismatch: lm_head.weight: found [21, 16], expected [20, 16]")
     ):
@@ -164,3 +194,85 @@ def test_load_training_state_refuses_another_arch(tmp_path):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     with pytest.raises(CheckpointError, match="resume with the same draft config or use a new output_dir"):
         load_training_state(path, draft=draft, optimizer=optimizer, scheduler=scheduler)
+
+
+def load_into_fresh_training(path) -> dict:
+    draft, optimizer, scheduler = make_training(seed=1)
+    return load_training_state(path, draft=draft, optimizer=optimizer, scheduler=scheduler)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_flipped_byte_in_any_file_is_named_and_nothing_is_loaded(tmp_path, name):
+    path = save(tmp_path, 1)
+    recorded = json.loads((path / "COMPLETE").read_text())["files"][name]["checksum"]
+    flip_byte(path / name)
+    found = checksum_file(path / name)
+    with pytest.raises(CheckpointDamagedError) as err:
+        load_into_fresh_training(path)
+    assert str(err.value) == (
+        f"checkpoint {path}: {name} has checksum {found[:25]}..., its COMPLETE record says {recorded[:25]}...; the "
+        "file changed after the checkpoint was completed (a disk fault, a partial copy, an edit): its state is not "
+        "loaded"
+    )
+    assert err.value.file == name and err.value.checkpoint_dir == path
+
+
+@pytest.mark.parametrize("reader", [load_draft, read_checkpoint])
+def test_the_draft_readers_check_the_weights_checksum(tmp_path, reader):
+    path = save(tmp_path, 1)
+    flip_byte(path / "model.safetensors")
+    with pytest.raises(CheckpointDamagedError, match=re.escape(f"checkpoint {path}: model.safetensors has checksum")):
+        reader(path)
+
+
+def test_a_truncated_or_missing_file_is_named(tmp_path):
+    path = save(tmp_path, 1)
+    size = (path / "optimizer.pt").stat().st_size
+    (path / "optimizer.pt").write_bytes((path / "optimizer.pt").read_bytes()[:-10])
+    with pytest.raises(CheckpointDamagedError, match=re.escape(f"optimizer.pt has {size - 10} bytes, its COMPLETE ")):
+        load_into_fresh_training(path)
+    (path / "rng.pt").unlink()
+    with pytest.raises(CheckpointDamagedError, match=re.escape(f"{path}: optimizer.pt has")):  # name order
+        load_into_fresh_training(path)
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointDamagedError, match=re.escape(f"{path}: optimizer.pt is missing (COMPLETE records")):
+        load_into_fresh_training(path)
+
+
+@pytest.mark.parametrize(
+    ("marker", "problem"),
+    [
+        ('{"step": 1, "files": {', "COMPLETE is not the JSON record eyas writes"),
+        ('{"step": 2, "files": {}}', "COMPLETE records step 2, expected 1 (the directory's)"),
+        ('{"step": 1}', 'COMPLETE lacks "files" with a "checksum" and "bytes" per file'),
+        ('{"step": 1, "files": {}}', "arch.json is not in its COMPLETE record"),
+    ],
+)
+def test_a_foreign_or_edited_completion_record_is_damage(tmp_path, marker, problem):
+    path = save(tmp_path, 1)
+    (path / "COMPLETE").write_text(marker)
+    with pytest.raises(CheckpointDamagedError, match=re.escape(f"checkpoint {path}: {problem}")):
+        load_into_fresh_training(path)
+
+
+@pytest.mark.parametrize("marker", ["1\n", ""])
+def test_a_checkpoint_from_before_checksums_loads_unverified_and_says_so(tmp_path, marker):
+    path = save(tmp_path, 1)
+    (path / "COMPLETE").write_text(marker)  # what eyas wrote before checkpoints carried checksums
+    said = []
+    draft, optimizer, scheduler = make_training(seed=1)
+    state = load_training_state(path, draft=draft, optimizer=optimizer, scheduler=scheduler, log=said.append)
+    assert state["step"] == 1
+    assert said == [
+        f"checkpoint {path}: its COMPLETE marker holds no checksums (written before eyas checkpoints carried them); "
+        "its files are loaded unverified"
+    ]
+
+
+def test_update_best_deletes_a_marker_whose_checkpoint_is_gone(tmp_path):
+    path = save(tmp_path, 2, trainer_state={"eval": {"tau_estimate": 2.0}})
+    save(tmp_path, 4)
+    assert update_best(tmp_path)["checkpoint"] == "step-00000002"
+    path.rename(path.with_name("step-00000002.damaged"))  # set aside: no evaluated checkpoint is left
+    assert update_best(tmp_path) is None
+    assert not (tmp_path / "checkpoints" / "BEST").exists()

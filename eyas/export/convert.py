@@ -32,15 +32,8 @@ from eyas.export.keys import (
 )
 from eyas.export.serving import SGLANG_FORMAT_SINCE, num_aux_problem, num_layers_problem, option_problems
 from eyas.layer_ids import LAYER_ID_CONVENTION
-from eyas.train.checkpoint import (
-    ARCH_FILE,
-    COMPLETE_MARKER,
-    DraftCheckpoint,
-    arch_record,
-    best_checkpoint,
-    latest_complete,
-    read_checkpoint,
-)
+from eyas.train.checkpoint import ARCH_FILE, COMPLETE_MARKER, DraftCheckpoint, arch_record, read_checkpoint
+from eyas.train.checkpoint_fallback import export_choice
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 EYAS_VERSION = version("eyas")
@@ -161,11 +154,11 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 def export_run(config: RunConfig) -> Path:
     """The stage entry: the training checkpoint export.checkpoint chooses (best: the one the BEST marker names,
-    eyas.train.checkpoint.best_checkpoint; last: the newest complete one) -> RUN/export/sglang in export.format,
-    checked against that format's exact key set."""
+    eyas.train.checkpoint.best_checkpoint; last: the newest complete one), its files checked against their
+    checksums (a damaged one is set aside and the next is taken, loudly: eyas.train.checkpoint_fallback) ->
+    RUN/export/sglang in export.format, checked against that format's exact key set."""
     e = config.export
-    pick = best_checkpoint if e.checkpoint == "best" else latest_complete
-    checkpoint = pick(config.paths.train_dir)
+    checkpoint = export_choice(config.paths.train_dir, e.checkpoint, log=print)
     if checkpoint is None:
         raise FileNotFoundError(
             f"export: no complete checkpoint under {config.paths.train_dir}/checkpoints; run the train stage first"

@@ -1,9 +1,11 @@
 """Durable training checkpoints: `output_dir/checkpoints/step-00001234/`.
 
 Each checkpoint is written into a temporary sibling directory, every file fsynced, the directory
-renamed into place and fsynced, and only then the `COMPLETE` marker written (and fsynced). A
-directory without the marker is never loaded: a crash at any instant leaves either the previous
-complete checkpoint or the new one. The state is always the full (unsharded) one, written by rank 0,
+renamed into place and fsynced, and only then the `COMPLETE` marker written (atomically), holding the
+checksum and size of every file (eyas.train.checkpoint_verify). A directory without the marker is never
+loaded: a crash at any instant leaves either the previous complete checkpoint or the new one. Every
+reader checks the files it reads against the marker first; a damaged checkpoint raises
+CheckpointDamagedError naming the file (eyas.train.checkpoint_fallback falls back to an older one). The state is always the full (unsharded) one, written by rank 0,
 whether the run used DDP or FSDP2 (eyas.train.parallel): a checkpoint resumes under either, on any world
 size. Contents:
 
@@ -14,7 +16,7 @@ size. Contents:
   scheduler.pt         lr scheduler state_dict()
   rng.pt               torch (and CUDA) RNG states
   trainer_state.json   {"step", "samples_consumed", "epoch", "world_size", ..., "eval"}
-  COMPLETE             written last
+  COMPLETE             written last: {"step", "files": {NAME: {"checksum", "bytes"}}}
 
 `checkpoints/BEST` names the complete checkpoint with the highest estimated acceptance on the held-out split
 (trainer_state "eval"."tau_estimate", eyas.train.evaluate; a tie goes to the later step):
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,22 +44,30 @@ from safetensors.torch import load_file, save_file
 
 from eyas.draft import DraftArch, Eagle3Draft
 from eyas.draft_keys import KeyCheckError, check_key_set, expected_eyas_shapes
-from eyas.fsio import TMP_MARKER, atomic_write_text, checked_safetensors_header, fsync_path, replace_dir, temp_path
+from eyas.fsio import TMP_MARKER, atomic_write_text, checked_safetensors_header, replace_dir, temp_path
 from eyas.layer_ids import LAYER_ID_CONVENTION
+from eyas.train.checkpoint_verify import (
+    ARCH_FILE,
+    COMPLETE_MARKER,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RESUME_FILES,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    completion_record,
+    read_set_aside,
+    require_complete,
+    require_verified,
+    write_marker,
+)
 from eyas.train.parallel import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 
 CHECKPOINTS_DIR = "checkpoints"
-COMPLETE_MARKER = "COMPLETE"
-MODEL_FILE = "model.safetensors"
-ARCH_FILE = "arch.json"
-TRAINER_STATE_FILE = "trainer_state.json"
 FINAL_FILE = "final.json"
 BEST_MARKER = "BEST"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, or does not match what is being loaded into."""
 
 
 def step_dir_name(step: int) -> str:
@@ -159,23 +170,21 @@ def write_checkpoint(
     temp.mkdir()
     save_file(model_state, temp / MODEL_FILE, metadata={"format": "eyas"})
     _write_json(temp / ARCH_FILE, arch_record(arch, aux_layer_ids, target_fingerprint))
-    torch.save(optimizer_state, temp / "optimizer.pt")
-    torch.save(scheduler_state, temp / "scheduler.pt")
-    torch.save(rng_state(), temp / "rng.pt")
+    torch.save(optimizer_state, temp / OPTIMIZER_FILE)
+    torch.save(scheduler_state, temp / SCHEDULER_FILE)
+    torch.save(rng_state(), temp / RNG_FILE)
     _write_json(temp / TRAINER_STATE_FILE, {**trainer_state, "step": step})
-    commit_step_dir(temp, final, f"{step}\n")
+    commit_step_dir(temp, final, completion_record(temp, step))
     update_best(output_dir)
     rotate_checkpoints(output_dir, keep_last)
     return final
 
 
-def commit_step_dir(temp: Path, final: Path, marker_text: str) -> None:
+def commit_step_dir(temp: Path, final: Path, marker: dict | str) -> None:
     """Put the finished `temp` in place of `final` (eyas.fsio.replace_dir: an incomplete dir left by a crash,
-    or a step being re-saved, is replaced), then write the COMPLETE marker."""
+    or a step being re-saved, is replaced), then write the COMPLETE marker (the completion record)."""
     replace_dir(temp, final)
-    (final / COMPLETE_MARKER).write_text(marker_text)
-    fsync_path(final / COMPLETE_MARKER)
-    fsync_path(final)
+    write_marker(final, marker)
 
 
 def _tau_of(checkpoint_dir: Path) -> float | None:
@@ -191,7 +200,8 @@ def read_best(output_dir: str | Path) -> dict | None:
 
 def update_best(output_dir: str | Path) -> dict | None:
     """Point BEST at the best evaluated checkpoint among the one it names and every complete one on disk;
-    returns the marker's record (None when no checkpoint was evaluated)."""
+    returns the marker's record (None when no checkpoint was evaluated: a marker naming a checkpoint that is gone,
+    one set aside as damaged, is deleted)."""
     root = Path(output_dir) / CHECKPOINTS_DIR
     candidates = [
         (tau, step, path.name)
@@ -204,6 +214,8 @@ def update_best(output_dir: str | Path) -> dict | None:
     if marked is not None and (root / marked["checkpoint"] / COMPLETE_MARKER).is_file():
         candidates.append((marked["tau_estimate"], marked["step"], marked["checkpoint"]))
     if not candidates:
+        if marked is not None:
+            (root / BEST_MARKER).unlink()
         return None
     tau, step, name = max(candidates)
     record = {"checkpoint": name, "step": step, "tau_estimate": tau}
@@ -218,7 +230,7 @@ def best_checkpoint(output_dir: str | Path) -> Path | None:
     if marked is None:
         return latest_complete(output_dir)
     path = Path(output_dir) / CHECKPOINTS_DIR / marked["checkpoint"]
-    _require_complete(path)
+    require_complete(path)
     return path
 
 
@@ -240,15 +252,6 @@ def rotate_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
     for path in doomed:  # step dirs, and the temporaries of a killed write: dirs, or the BEST marker's file
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return doomed
-
-
-def _require_complete(checkpoint_dir: Path) -> None:
-    if not (checkpoint_dir / COMPLETE_MARKER).is_file():
-        raise CheckpointError(
-            f"checkpoint {checkpoint_dir}: no {COMPLETE_MARKER} marker; it was not written completely "
-            f"(crash during save) or it is not a training checkpoint; use latest_complete(output_dir) to pick a "
-            "complete one"
-        )
 
 
 def read_arch(checkpoint_dir: str | Path) -> dict:
@@ -312,10 +315,11 @@ class DraftCheckpoint:
     state: dict[str, torch.Tensor]
 
 
-def read_checkpoint(checkpoint_dir: str | Path) -> DraftCheckpoint:
-    """A complete checkpoint's draft as tensors (what the exporter converts), every file checked."""
+def read_checkpoint(checkpoint_dir: str | Path, *, log: Callable[[str], None] = print) -> DraftCheckpoint:
+    """A complete checkpoint's draft as tensors (what the exporter converts), every file checked (its checksum
+    against the completion record first)."""
     checkpoint_dir = Path(checkpoint_dir)
-    _require_complete(checkpoint_dir)
+    require_verified(checkpoint_dir, (ARCH_FILE, MODEL_FILE), log)
     meta = read_arch(checkpoint_dir)
     state = _checked_state(checkpoint_dir, meta["arch"], embed_optional=True)
     return DraftCheckpoint(checkpoint_dir, meta["arch"], meta["aux_layer_ids"], str(meta["target_fingerprint"]), state)
@@ -327,10 +331,10 @@ def load_model_state(draft: Eagle3Draft, checkpoint_dir: str | Path) -> None:
     load_full_model_state(draft, _checked_state(Path(checkpoint_dir), draft.arch))
 
 
-def load_draft(checkpoint_dir: str | Path) -> tuple[Eagle3Draft, dict]:
-    """A complete checkpoint's draft (embeddings frozen) and its arch.json (+ trainer_state)."""
+def load_draft(checkpoint_dir: str | Path, *, log: Callable[[str], None] = print) -> tuple[Eagle3Draft, dict]:
+    """A complete checkpoint's draft (embeddings frozen) and its arch.json (+ trainer_state), checksums checked."""
     checkpoint_dir = Path(checkpoint_dir)
-    _require_complete(checkpoint_dir)
+    require_verified(checkpoint_dir, (ARCH_FILE, MODEL_FILE, TRAINER_STATE_FILE), log)
     meta = read_arch(checkpoint_dir)
     draft = Eagle3Draft(meta["arch"])
     load_model_state(draft, checkpoint_dir)
@@ -350,12 +354,18 @@ def load_training_state(
     draft: Eagle3Draft,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    verified: bool = False,
+    log: Callable[[str], None] = print,
 ) -> dict:
     """Restore model, optimizer, scheduler and RNG from a complete checkpoint; returns trainer_state.
 
-    Every rank calls it with its own (DDP replica or FSDP2-sharded) draft and the optimizer over it."""
+    Every rank calls it with its own (DDP replica or FSDP2-sharded) draft and the optimizer over it. Every file is
+    checked against the completion record first, unless the caller just did (`verified`)."""
     checkpoint_dir = Path(checkpoint_dir)
-    _require_complete(checkpoint_dir)
+    if verified:
+        require_complete(checkpoint_dir)
+    else:
+        require_verified(checkpoint_dir, RESUME_FILES, log)
     saved = read_arch(checkpoint_dir)["arch"]
     if saved != draft.arch:
         raise CheckpointError(
@@ -363,10 +373,10 @@ def load_training_state(
             f"{draft.arch.to_dict()}; resume with the same draft config or use a new output_dir"
         )
     load_model_state(draft, checkpoint_dir)
-    optimizer_state = torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer_state = torch.load(checkpoint_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     load_full_optimizer_state(draft, optimizer, optimizer_state)
-    scheduler.load_state_dict(torch.load(checkpoint_dir / "scheduler.pt", map_location="cpu", weights_only=True))
-    set_rng_state(torch.load(checkpoint_dir / "rng.pt", map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(checkpoint_dir / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    set_rng_state(torch.load(checkpoint_dir / RNG_FILE, map_location="cpu", weights_only=True))
     return read_trainer_state(checkpoint_dir)
 
 
@@ -378,6 +388,7 @@ class TrainState:
     trainer_state: dict | None  # its trainer_state.json
     num_incomplete: int  # step dirs without COMPLETE (a crash during a save)
     final: dict | None  # final.json, written when the run reached its last step
+    set_aside: list[dict]  # damaged checkpoints set aside: DAMAGED.json records ("checkpoint", "reason", "path")
 
 
 def train_state(output_dir: str | Path) -> TrainState:
@@ -391,4 +402,5 @@ def train_state(output_dir: str | Path) -> TrainState:
         trainer_state=read_trainer_state(latest) if latest is not None else None,
         num_incomplete=sum(1 for _, _, done in entries if not done),
         final=json.loads(final_path.read_text()) if final_path.is_file() else None,
+        set_aside=read_set_aside(output_dir / CHECKPOINTS_DIR),
     )

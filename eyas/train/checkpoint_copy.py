@@ -13,9 +13,12 @@ Layout under the copy URL (step names at the top, so that a non-recursive list f
 
 A copy is complete exactly when its manifest exists: a copy cut off at any instant is never taken for
 complete. A `.pending` record without a manifest marks the files of an interrupted copy (or deletion);
-the next rotation deletes them. Deletion takes the manifest away first. A restore checks every file
-against the manifest's checksum while it downloads into a temporary dir, then commits it like a local save
-(fsync, rename, COMPLETE last). One run writes to a copy URL at a time.
+the next rotation deletes them. Deletion takes the manifest away first. Only a checkpoint whose files match its
+completion record (eyas.train.checkpoint_verify) is copied. A restore checks every file against the manifest's
+checksum while it downloads into a temporary dir, and against the completion record the copy carries, then commits
+it like a local save (fsync, rename, COMPLETE last). A damaged copy is not restored: the restore falls back to the
+newest older copy that verifies, and the log names the damaged file and the copy taken instead. One run writes to
+a copy URL at a time.
 """
 
 from __future__ import annotations
@@ -23,20 +26,27 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from eyas.checksum import checksum_bytes, short
 from eyas.config import TrainConfig
 from eyas.fsio import temp_path
 from eyas.storage import open_storage
 from eyas.storage.base import ChecksumMismatchError, Storage
-from eyas.train.checkpoint import (
-    CHECKPOINTS_DIR,
+from eyas.train.checkpoint import CHECKPOINTS_DIR, commit_step_dir, list_checkpoints, step_dir_name
+from eyas.train.checkpoint_fallback import AllCheckpointsDamagedError, resume_checkpoint
+from eyas.train.checkpoint_verify import (
     COMPLETE_MARKER,
+    CheckpointDamagedError,
     CheckpointError,
-    commit_step_dir,
-    list_checkpoints,
-    step_dir_name,
+    parse_completion_record,
+    read_completion_record,
+    require_complete,
+    verify_files,
 )
+
+Log = Callable[[str], None]
 
 MANIFEST_SUFFIX = ".complete.json"
 PENDING_SUFFIX = ".pending"
@@ -58,17 +68,24 @@ def copy_steps(store: Storage) -> list[int]:
 
 
 def copy_checkpoint(store: Storage, checkpoint_dir: str | Path) -> dict:
-    """Upload a complete local checkpoint, its manifest last; returns the manifest."""
+    """Upload a complete local checkpoint, each file checked against its completion record as it is read (a
+    damaged checkpoint is refused, not copied), its manifest last; returns the manifest."""
     checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / COMPLETE_MARKER).is_file():
-        raise CheckpointError(
-            f"checkpoint {checkpoint_dir}: no {COMPLETE_MARKER} marker; only complete checkpoints are copied"
-        )
+    require_complete(checkpoint_dir)
+    record = read_completion_record(checkpoint_dir)
+    listed = record["files"] if record is not None else {}
     name = checkpoint_dir.name
     store.put_bytes(name + PENDING_SUFFIX, b"")
     files = {}
     for path in sorted(checkpoint_dir.iterdir()):
         data = path.read_bytes()
+        if path.name in listed and checksum_bytes(data) != listed[path.name]["checksum"]:
+            raise CheckpointDamagedError(
+                checkpoint_dir,
+                path.name,
+                f"has checksum {short(checksum_bytes(data))}, its {COMPLETE_MARKER} record says "
+                f"{short(listed[path.name]['checksum'])}; not copied to {store.url}",
+            )
         files[path.name] = {"checksum": store.put_bytes(f"{name}/{path.name}", data), "bytes": len(data)}
     manifest = {"step": int(name.removeprefix("step-")), "files": files}
     store.put_bytes(name + MANIFEST_SUFFIX, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
@@ -110,8 +127,11 @@ def rotate_copies(store: Storage, keep_last: int) -> list[int]:
 
 def _read_manifest(store: Storage, name: str) -> dict:
     source = f"{store.url}/{name}{MANIFEST_SUFFIX}"
-    manifest = json.loads(store.get_bytes(name + MANIFEST_SUFFIX))
-    files = manifest.get("files", {})
+    try:
+        manifest = json.loads(store.get_bytes(name + MANIFEST_SUFFIX))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint copy {source}: not the JSON manifest eyas writes ({err})") from err
+    files = manifest.get("files", {}) if isinstance(manifest, dict) else {}
     unsafe = sorted(f for f in files if not _FILE_NAME.match(f))
     if unsafe or COMPLETE_MARKER not in files:
         raise CheckpointError(
@@ -123,7 +143,7 @@ def _read_manifest(store: Storage, name: str) -> dict:
     if missing:
         raise CheckpointError(
             f"checkpoint copy {store.url}/{name}: files {missing} of its manifest are missing; the copy was "
-            f"damaged after it was completed; delete {source} to fall back to the previous copy"
+            "damaged after it was completed"
         )
     return manifest
 
@@ -134,9 +154,22 @@ def _download(store: Storage, name: str, file: str, checksum: str, output_dir: P
     except ChecksumMismatchError as e:
         raise CheckpointError(
             f"checkpoint copy {store.url}/{name}/{file}: its bytes do not match the checksum {checksum} "
-            f"recorded when it was copied; the copy is corrupt and was not restored ({output_dir} is unchanged); "
-            f"delete {store.url}/{name}{MANIFEST_SUFFIX} to fall back to the previous copy"
+            f"recorded when it was copied; the copy is corrupt and was not restored ({output_dir} is unchanged)"
         ) from e
+
+
+def _check_against_record(store: Storage, name: str, step: int, temp: Path, marker: str) -> None:
+    """The downloaded files against the completion record the copy carries (a copy of a checkpoint from before
+    checksums carries none: the manifest's checksums were checked)."""
+    try:
+        record = parse_completion_record(marker, temp, step)
+        if record is not None:
+            verify_files(temp, record, record["files"])
+    except CheckpointDamagedError as err:
+        raise CheckpointError(
+            f"checkpoint copy {store.url}/{name}: {err.file} {err.problem}; the checkpoint was damaged before it "
+            "was copied, and the copy was not restored"
+        ) from err
 
 
 def restore_copy(store: Storage, step: int, output_dir: str | Path) -> Path:
@@ -156,6 +189,7 @@ def restore_copy(store: Storage, step: int, output_dir: str | Path) -> Path:
                 marker = data.decode()
             else:
                 (temp / file).write_bytes(data)
+        _check_against_record(store, name, step, temp, marker)
         commit_step_dir(temp, root / name, marker)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -163,21 +197,44 @@ def restore_copy(store: Storage, step: int, output_dir: str | Path) -> Path:
     return root / name
 
 
-def restore_latest(store: Storage, output_dir: str | Path) -> Path | None:
-    """Restore the newest complete copy when it is newer than every complete local checkpoint (a fresh
-    machine, or a lost disk); returns the restored dir, or None when the local checkpoints are as new."""
-    steps = copy_steps(store)
-    local = [step for step, _, complete in list_checkpoints(output_dir) if complete]
-    if not steps or (local and local[-1] >= steps[-1]):
-        return None
-    return restore_copy(store, steps[-1], output_dir)
+def restore_latest(store: Storage, output_dir: str | Path, *, log: Log = print) -> Path | None:
+    """Restore the newest complete copy that verifies when it is newer than the newest local checkpoint that
+    verifies (a fresh machine, a lost disk, a damaged local checkpoint: that one is set aside first); returns the
+    restored dir, or None when the local checkpoints are as new. A damaged copy is skipped for the next older one,
+    and `log` names both."""
+    try:
+        local, all_damaged = resume_checkpoint(output_dir, log=log), None
+    except AllCheckpointsDamagedError as err:  # every local one set aside: a copy may still serve
+        local, all_damaged = None, err
+    local_step = int(local.name.removeprefix("step-")) if local is not None else -1
+    damaged: list[str] = []
+    for step in reversed([s for s in copy_steps(store) if s > local_step]):
+        try:
+            restored = restore_copy(store, step, output_dir)
+        except CheckpointError as err:  # the copy's content, never a storage error: those propagate
+            damaged.append(str(err))
+            continue
+        for problem in damaged:
+            log(f"{problem}; restoring {restored.name} from {store.url} instead, the newest older copy that verifies")
+        return restored
+    for problem in damaged:
+        fallback = f"resuming from the local {local.name}" if local is not None else "no older copy verifies"
+        log(f"{problem}; {fallback}")
+    if all_damaged is not None:
+        raise all_damaged
+    if damaged and local is None and not list_checkpoints(output_dir):
+        raise CheckpointError(
+            f"checkpoint copy {store.url}: every copy is damaged and {Path(output_dir) / CHECKPOINTS_DIR} holds no "
+            "checkpoint; delete the damaged copies' manifests (NAME.complete.json) to start from step 0"
+        )
+    return None
 
 
-def sync_at_start(store: Storage, output_dir: str | Path, keep_last: int) -> str | None:
+def sync_at_start(store: Storage, output_dir: str | Path, keep_last: int, *, log: Log = print) -> str | None:
     """Bring the local checkpoints and the copy in line before training (rank 0): restore the copy's newest
-    when it is newer, else copy the local newest when the copy lacks it (a run that stopped before copying).
-    Returns what was done, for the log."""
-    restored = restore_latest(store, output_dir)
+    that verifies when it is newer, else copy the local newest when the copy lacks it (a run that stopped before
+    copying). Returns what was done, for the log; `log` names every damaged checkpoint or copy met."""
+    restored = restore_latest(store, output_dir, log=log)
     if restored is not None:
         return f"restored {restored.name} from the checkpoint copy {store.url}"
     local = [(step, path) for step, path, complete in list_checkpoints(output_dir) if complete]

@@ -10,9 +10,10 @@ FSDP2 (sharded; eyas.train.parallel). Learning rate: linear warmup from lr/num_w
 
 Rank 0 appends one metric record per step (eyas.train.metrics). Checkpoints go to
 `output_dir/checkpoints/` every `save_every_steps` and at the end (eyas.train.checkpoint); a re-run
-resumes from the newest complete one, on any world size and under either parallelism, continuing the
-same sample order. With `train.checkpoint_copy_url` set, rank 0 copies each complete checkpoint there
-(eyas.train.checkpoint_copy), and a run whose output_dir lacks the copy's newest checkpoint (a fresh
+resumes from the newest complete one whose files match the checksums of its COMPLETE record (a damaged one is set
+aside, and the log names its file and the older checkpoint taken instead: eyas.train.checkpoint_fallback), on any
+world size and under either parallelism, continuing the same sample order. With `train.checkpoint_copy_url` set,
+rank 0 copies each complete checkpoint there (eyas.train.checkpoint_copy), and a run whose output_dir lacks the copy's newest checkpoint (a fresh
 machine) restores it before resuming. At the end rank 0 writes `output_dir/final.json` =
 {"checkpoint", "step", "final_loss"}. The process entry is eyas/train/__main__.py.
 
@@ -37,7 +38,6 @@ from eyas.config import TrainJob
 from eyas.fsio import atomic_write_text
 from eyas.train.checkpoint import (
     FINAL_FILE,
-    latest_complete,
     load_training_state,
     read_arch,
     read_best,
@@ -45,6 +45,8 @@ from eyas.train.checkpoint import (
     write_checkpoint,
 )
 from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
+from eyas.train.checkpoint_fallback import resume_checkpoint
+from eyas.train.checkpoint_verify import CheckpointError
 from eyas.train.data import (
     TrainSplit,
     batch_at,
@@ -68,9 +70,26 @@ def log(ctx: Dist, message: str) -> None:
         print(f"[eyas.train] {message}", flush=True)
 
 
+def agreed_checkpoint(job: TrainJob, ctx: Dist) -> Path | None:
+    """Rank 0 picks the newest complete checkpoint that verifies (eyas.train.checkpoint_fallback: a damaged one is
+    set aside, and the log names it and the one taken instead); every rank gets rank 0's pick, or its error."""
+    choice: list = [None]
+    if ctx.rank == 0:
+        try:
+            checkpoint = resume_checkpoint(job.output_dir, log=lambda line: log(ctx, line))
+            choice = [("ok", str(checkpoint) if checkpoint is not None else None)]
+        except CheckpointError as err:
+            choice = [("error", str(err))]
+    dist.broadcast_object_list(choice, src=0)
+    outcome, value = choice[0]
+    if outcome == "error":
+        raise CheckpointError(value)
+    return Path(value) if value is not None else None
+
+
 def resume(job: TrainJob, setup: TrainSetup, optimizer, scheduler, ctx: Dist) -> dict:
-    """Restore the newest complete checkpoint; returns its trainer_state (step 0 when there is none)."""
-    checkpoint = latest_complete(job.output_dir)
+    """Restore the newest complete checkpoint that verifies; returns its trainer_state (step 0 when there is none)."""
+    checkpoint = agreed_checkpoint(job, ctx)
     if checkpoint is None:
         return {"step": 0, "samples_consumed": 0, "loss": None, "checkpoint": None}
     meta = read_arch(checkpoint)
@@ -79,7 +98,15 @@ def resume(job: TrainJob, setup: TrainSetup, optimizer, scheduler, ctx: Dist) ->
             f"checkpoint {checkpoint}: target_fingerprint {meta['target_fingerprint']}, aux_layer_ids "
             f"{meta['aux_layer_ids']}; the job has {setup.fingerprint}, {job.aux_layer_ids}; use a new output_dir"
         )
-    state = load_training_state(checkpoint, draft=setup.draft, optimizer=optimizer, scheduler=scheduler)
+    # rank 0 checked every file a moment ago; the other ranks check what they read themselves
+    state = load_training_state(
+        checkpoint,
+        draft=setup.draft,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        verified=ctx.rank == 0,
+        log=lambda line: log(ctx, line),
+    )
     if state["global_batch_size"] != job.train.global_batch_size:
         raise ValueError(
             f"checkpoint {checkpoint}: saved with train.global_batch_size={state['global_batch_size']}, the job "
@@ -143,7 +170,8 @@ class Trainer:
         """Rank 0 restores the copy's newest checkpoint (or copies the local newest) while the others wait."""
         if self.copy_store is not None:
             started = time.monotonic()
-            done = sync_at_start(self.copy_store, self.output_dir, self.train_config.num_checkpoints_kept)
+            keep, say = self.train_config.num_checkpoints_kept, (lambda line: log(self.ctx, line))
+            done = sync_at_start(self.copy_store, self.output_dir, keep, log=say)
             seconds = f" ({time.monotonic() - started:.1f} s)"
             log(self.ctx, (done or f"checkpoint copy {self.copy_store.url}: nothing to restore or to copy") + seconds)
         dist.barrier()  # the other ranks resume from what rank 0 restored

@@ -6,6 +6,7 @@ from prefect import flow
 from eyas.config import RunConfig
 from eyas.export.convert import SGLANG_EXPORT
 from tasks.bench import acceptance_benchmark, diagnose_low_tau
+from tasks.facts import check_run_inputs
 from tasks.status import stage_status_artifact
 
 
@@ -17,6 +18,7 @@ class AcceptanceTooLow(RuntimeError):
 def bench_flow(config: RunConfig, export_dir: str | None = None) -> dict:
     """Measure acceptance of the exported draft (bench.engine: reference or SGLang); below bench.min_tau the run
     fails with the diagnosis. `export_dir`: default RUN/export/sglang."""
+    check_run_inputs(config, ["bench"])  # the held-out prompts, before the target loads
     export_dir = export_dir or str(config.paths.export_dir / SGLANG_EXPORT)
     result = acceptance_benchmark(config, export_dir)
     stage_status_artifact(config, "bench")

@@ -4,14 +4,14 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from tasks.dataset import build_vocab_mapping, regenerate_and_tokenize
-from tasks.facts import check_run_layer_ids
+from tasks.facts import check_run_inputs
 from tasks.status import stage_status_artifact
 
 
 @flow(name="build-dataset", log_prints=True)
 def build_dataset_flow(config: RunConfig) -> dict:
     """Regenerate the responses, tokenize the samples and build the draft vocab mapping (each reused when unchanged)."""
-    check_run_layer_ids(config)  # aux ids SGLang could not be given are refused before any answer is generated
+    check_run_inputs(config, ["dataset"])  # paths, vocab, trainable conversations, aux ids: before any answer
     report = regenerate_and_tokenize(config)
     vocab = build_vocab_mapping(config)
     print(

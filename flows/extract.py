@@ -6,7 +6,7 @@ from eyas.config import RunConfig
 from eyas.extract.coordinator import summary_sentence
 from eyas.facts import RunFacts
 from tasks.extract import extract_shards, extract_worker_shards
-from tasks.facts import resolve_run_facts
+from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.status import stage_status_artifact
 
 
@@ -15,7 +15,9 @@ def extract_flow(config: RunConfig, facts: RunFacts | None = None) -> dict:
     """Extract the shards the manifest lacks with extract.num_workers workers, each on disjoint shards.
 
     `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
-    facts = facts or resolve_run_facts(config)
+    if facts is None:  # run alone: its inputs are checked first (the pipeline checks every stage's at its start)
+        check_run_inputs(config, ["extract"])
+        facts = resolve_run_facts(config)
     summary = extract_shards(config, facts)
     print(summary_sentence(summary))
     stage_status_artifact(config, "extract")

@@ -10,6 +10,7 @@ from prefect import flow
 
 from eyas.config import RunConfig
 from eyas.gate.approval import apply_overrides
+from eyas.run_inputs import STAGES
 from flows.bench import bench_flow
 from flows.dataset import build_dataset_flow
 from flows.export import export_flow
@@ -17,7 +18,7 @@ from flows.extract import extract_flow
 from flows.train import train_flow
 from flows.verify import verify_flow
 from tasks.attempts import settle_earlier_attempts
-from tasks.facts import resolve_run_facts
+from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
 from tasks.train import preflight, smoke_run
 
@@ -26,6 +27,7 @@ from tasks.train import preflight, smoke_run
 def pipeline(config: RunConfig) -> dict:
     """The whole run: dataset, extraction, verification, smoke run, approval gate, training, export, benchmark."""
     settle_earlier_attempts()  # a retry: what the crashed attempt left Running is marked Crashed
+    check_run_inputs(config, list(STAGES))  # every stage's inputs, before the first answer is generated
     dataset = build_dataset_flow(config)
     facts = resolve_run_facts(config)
     extract_flow(config, facts)

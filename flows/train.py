@@ -8,7 +8,7 @@ from prefect import flow
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
 from tasks.attempts import settle_earlier_attempts
-from tasks.facts import resolve_run_facts
+from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
 from tasks.status import stage_status_artifact
 from tasks.train import launch_torchrun, preflight, smoke_run
@@ -21,7 +21,9 @@ def train_flow(config: RunConfig, facts: RunFacts | None = None, require_approva
 
     `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
     settle_earlier_attempts()  # a retry of this flow's own run (a subflow of a retried pipeline is a new run)
-    facts = facts or resolve_run_facts(config)
+    if facts is None:  # run alone: its inputs are checked first (the pipeline checks every stage's at its start)
+        check_run_inputs(config, ["train"])
+        facts = resolve_run_facts(config)
     if require_approval:
         devices = preflight(config, facts)  # before the smoke run: a GPU run's smoke runs on a training device
         smoke = smoke_run(config, facts)

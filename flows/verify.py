@@ -8,7 +8,7 @@ from eyas.facts import RunFacts
 from eyas.verify.report import VerifyReport
 from eyas.verify.shard_set import raise_if_bad
 from flows.extract import extract_flow
-from tasks.facts import resolve_run_facts
+from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.status import stage_status_artifact
 from tasks.verify import quarantine_bad, verify_shard_set
 
@@ -18,7 +18,9 @@ def verify_flow(config: RunConfig, facts: RunFacts | None = None) -> dict:
     """Verify every shard; quarantine, re-extract and re-verify bad ones up to num_heal_rounds times.
 
     `facts`: the run's resolved facts, which the pipeline passes; left empty, the flow resolves them."""
-    facts = facts or resolve_run_facts(config)
+    if facts is None:  # run alone: its inputs are checked first (the pipeline checks every stage's at its start)
+        check_run_inputs(config, ["verify"])
+        facts = resolve_run_facts(config)
     report = verify_shard_set(config, facts)
     quarantined, rounds = [], 0
     while not report.ok and rounds < config.verify.num_heal_rounds:

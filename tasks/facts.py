@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from eyas import run_inputs
 from eyas.config import RunConfig
 from eyas.export.serving import check_variant_served
 from eyas.facts import RunFacts, check_layer_ids, resolve_facts
@@ -25,6 +26,14 @@ def resolve_run_facts(config: RunConfig) -> RunFacts:
     facts = resolve_facts(config)
     check_run_plan(config, facts.target)
     return facts
+
+
+# Not cached: the files must be looked at as they are now. Storage errors retried; the problems it finds are not.
+@task(name="check-run-inputs", cache_policy=NO_CACHE, **TRANSIENT_IO)
+def check_run_inputs(config: RunConfig, stages: list[str]) -> dict:
+    """Every input of `stages` a user can get wrong (paths, vocab sizes, process counts, the dataset's trainable
+    conversations; eyas.run_inputs), refused in one message before any stage starts its work."""
+    return run_inputs.check_run_inputs(config, stages)
 
 
 # Not cached: config.json and the weight headers, read again so that a changed target is seen.

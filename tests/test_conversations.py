@@ -185,3 +185,16 @@ def test_a_templated_prompt_is_its_token_ids(tiny_target_dir, tmp_path):
     tok = tokenizer_with(CHATML, tiny_target_dir, tmp_path)
     ids = prompt_token_ids(tok, [{"role": "user", "content": "def add(a, b):"}])
     assert all(isinstance(i, int) for i in ids) and tok.decode(ids) == "<|user|>def add(a, b):<|end|><|assistant|>"
+
+
+def test_bytes_that_are_not_utf8_and_rows_that_are_not_objects_are_refused_naming_the_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    good = json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"}]}) + "\n"
+    path.write_bytes(
+        good.encode() + '{"id": "b", "conversations": [{"role": "user", "content": "café"}]}\n'.encode("latin-1")
+    )
+    with pytest.raises(DatasetError, match=r"c\.jsonl:2: not UTF-8 text \(.*\); expected JSONL in UTF-8: re-encode"):
+        read_conversations(path)
+    path.write_text(good + '["not", "a", "row"]\n')
+    with pytest.raises(DatasetError, match=r"c\.jsonl:2: a JSON list, expected an object \(one conversation a line\)"):
+        read_conversations(path)

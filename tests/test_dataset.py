@@ -125,3 +125,16 @@ def test_the_vocab_file_is_byte_deterministic_across_processes(tmp_path):
         assert done.returncode == 0, done.stderr
         outs.append(path.read_bytes())
     assert all(o == outs[0] for o in outs)
+
+
+def test_conversations_without_the_turn_to_train_on_count_against_the_empty_fraction(tmp_path, random_target_dir):
+    """as_given with 24 of 25 conversations lacking an assistant turn fails, instead of training on one sample."""
+    user = {"role": "user", "content": CODE}
+    rows = [[user, {"role": "assistant", "content": CODE}]] + [[user]] * 24
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "conversations": r}) + "\n"
+                                              for i, r in enumerate(rows)))  # fmt: skip
+    cfg = DatasetConfig(prompts_path=str(tmp_path / "c.jsonl"), responses="as_given", draft_vocab_size=64)
+    with pytest.raises(DatasetError, match=r"24 of 25 samples have an all-zero loss mask \(.*; 24 x no assistant turn "
+                       r"to train on\), more than dataset.max_empty_mask_fraction=0.05"):  # fmt: skip
+        build(cfg, random_target_dir, tmp_path / "dataset")
+    assert not (tmp_path / "dataset" / "tokenized.parquet").exists()

@@ -294,3 +294,14 @@ def test_eyas_stop_stops_the_recorded_launcher(tmp_path, capsys):
         assert "no process recorded" in capsys.readouterr().out
     finally:
         proc.kill()
+
+
+def test_more_gloo_processes_than_usable_cores_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("eyas.train.preflight.usable_cores", lambda: 2)
+    report = device_preflight(TrainConfig(num_processes=64, backend="gloo"), tmp_path)
+    assert report.devices[0]["cores"] == 2 and report.problems == [
+        "train.num_processes=64 with train.backend='gloo' starts 64 trainer processes, but this process may use 2 CPU "
+        "core(s); expected at most one process per core (more share the cores, and every step waits on the slowest); "
+        "lower train.num_processes to 2 or fewer, or train on GPUs (train.backend='nccl')"
+    ]
+    assert device_preflight(TrainConfig(num_processes=2, backend="gloo"), tmp_path).ok

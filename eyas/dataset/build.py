@@ -195,8 +195,7 @@ def build_dataset(config: RunConfig, *, progress: Callable | None = None) -> Dat
             full, mask = full[: cfg.max_length], mask[: cfg.max_length]
         ids.append(full)
         masks.append(mask)
-    too_long = acct.skipped_reasons.get(PROMPT_TOO_LONG, 0)
-    report = _check_and_write(cfg, kept, ids, masks, truncated, key, table_path, t0, too_long)
+    report = _check_and_write(cfg, kept, ids, masks, truncated, key, table_path, t0, acct.skipped_reasons)
     report.shape, report.responses, report.generator = shape, cfg.responses, generator
     report.accounting = acct.to_dict()
     report.generation_temperature = cfg.generation.temperature
@@ -206,16 +205,21 @@ def build_dataset(config: RunConfig, *, progress: Callable | None = None) -> Dat
 
 
 def _check_and_write(
-    cfg, rows, ids, masks, truncated, key, table_path: Path, t0: float, too_long: int = 0
+    cfg, rows, ids, masks, truncated, key, table_path: Path, t0: float, skipped: dict[str, int] | None = None
 ) -> DatasetReport:
-    """`too_long`: prompts skipped because they alone fill max_length (no response token would fit)."""
-    empty = sum(1 for m in masks if not any(m)) + too_long
-    if empty > cfg.max_empty_mask_fraction * (len(masks) + too_long):
+    """`skipped`: conversations that gave no sample, by reason (a prompt that alone fills max_length, no user
+    turn to answer, no assistant turn to train on): each counts as a sample with nothing to train on."""
+    skipped = skipped or {}
+    num_skipped = sum(skipped.values())
+    empty, total = sum(1 for m in masks if not any(m)) + num_skipped, len(masks) + num_skipped
+    if empty > cfg.max_empty_mask_fraction * total:
+        reasons = "".join(f"; {n} x {reason}" for reason, n in sorted(skipped.items()))
         raise DatasetError(
-            f"dataset: {empty} of {len(masks) + too_long} samples have an all-zero loss mask (no response token, "
-            f"or a prompt that alone fills max_length), "
+            f"dataset: {empty} of {total} samples have an all-zero loss mask (no response token, "
+            f"or a prompt that alone fills max_length{reasons}), "
             f"more than dataset.max_empty_mask_fraction={cfg.max_empty_mask_fraction}; the target answered "
-            f"with EOS at once or max_length cuts the responses: check the prompts and the chat template"
+            f"with EOS at once, max_length cuts the responses, or the conversations lack the turns "
+            f"dataset.responses={cfg.responses!r} needs: check the prompts and the chat template"
         )
     out = table_path.parent
     out.mkdir(parents=True, exist_ok=True)

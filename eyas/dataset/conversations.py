@@ -47,13 +47,25 @@ def _rows(path: Path) -> list[dict]:
         with parquet_errors(path, "conversations file", "a Parquet table of conversations (or JSONL)"):
             return pq.read_table(path).to_pylist()
     rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(
+                    f"{path}:{line_no}: not UTF-8 text ({err}); expected JSONL in UTF-8: re-encode the file "
+                    "(e.g. `iconv -f LATIN1 -t UTF-8`)"
+                ) from None
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DatasetError(f"{path}:{line_no}: not a JSON object ({err}); expected one row a line") from err
+                if not isinstance(row, dict):
+                    raise DatasetError(
+                        f"{path}:{line_no}: a JSON {type(row).__name__}, expected an object (one conversation a line)"
+                    )
+                rows.append(row)
     return rows
 
 

@@ -31,6 +31,14 @@ QUERY_TIMEOUT_S = 120  # importing torch and creating a context per device; a hu
 BF16_CAPABILITY = (8, 0)  # Ampere and newer run bf16 natively
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, as taskset or a container's cpuset sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: every core of the machine
+        return os.cpu_count() or 1
+
+
 class DeviceQueryFailed(RuntimeError):
     """The subprocess that asks torch about the devices crashed, hung, or printed no JSON."""
 

@@ -4,7 +4,9 @@ Before the smoke run and the gate, for a CUDA (nccl) run: torch, asked in a subp
 CUDA_VISIBLE_DEVICES (eyas.train.devices), sees a device for every process; each device a rank uses runs bf16 when
 the run trains in bf16, is idle (memory in use below train.max_idle_gpu_memory_mib) and has the memory plan's peak
 free (eyas.train.memory_plan, planned against the smallest of them unless train.device_memory_gib is set); NCCL is
-available. On CPU (gloo) it reports the cores and the process count, and the plan. Either way no process that an
+available. On CPU (gloo) it reports the cores and the process count, refuses more trainer processes than the
+cores this process may use (each gloo rank computes on its own core; more ranks than cores share them and every
+step waits on the slowest), and records the plan. Either way no process that an
 earlier eyas launch recorded is still alive: eyas records each launcher it starts (PID and kernel start time, so a
 reused PID is never mistaken for it) in `processes.json` of the train directory, and `stop_recorded` stops those
 and only those.
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from eyas.config import RunConfig, TrainConfig
 from eyas.fsio import atomic_write_text
-from eyas.train.devices import MIB, DeviceQueryFailed, query_devices
+from eyas.train.devices import MIB, DeviceQueryFailed, query_devices, usable_cores
 
 if TYPE_CHECKING:
     from eyas.facts import RunFacts
@@ -106,7 +108,8 @@ def device_preflight(train: TrainConfig, train_dir: Path, found: dict | None = N
     """Check the devices and the process registry; `found` (eyas.train.devices' query) is queried when None."""
     report = PreflightReport(backend=train.backend, num_processes=train.num_processes)
     if train.backend == "gloo":
-        report.devices = [{"device": "cpu", "cores": os.cpu_count(), "processes": train.num_processes}]
+        report.devices = [{"device": "cpu", "cores": usable_cores(), "processes": train.num_processes}]
+        report.problems += cpu_process_problems(train, report.devices[0]["cores"])
     else:
         check_gpus(report, train, found)
     report.alive_recorded = alive_recorded(train_dir)
@@ -132,25 +135,45 @@ def check_gpus(report: PreflightReport, train: TrainConfig, found: dict | None) 
         return
     report.torch = {k: found[k] for k in ("torch", "cuda", "nccl_version", "cuda_visible_devices")}
     report.devices = [{**row, "used": i < train.num_processes} for i, row in enumerate(found["devices"])]
-    if not report.devices:
-        report.problems.append(no_device_problem(found))
-        return
-    if not found["nccl_available"]:
-        report.problems.append(
-            f"torch {found['torch']} reports no NCCL (torch.distributed.is_nccl_available() is False), expected for "
-            f"train.backend='nccl'; install torch's CUDA build for Linux (its wheels bundle NCCL), or use "
-            f"train.backend='gloo'"
-        )
-    if len(report.devices) < train.num_processes:
-        report.problems.append(
-            f"train.num_processes={train.num_processes} but torch sees {len(report.devices)} GPU(s) "
-            f"({visible_setting(found)}): {', '.join(label(r) for r in report.devices)}; expose more GPUs with "
-            f"CUDA_VISIBLE_DEVICES or lower train.num_processes"
-        )
+    report.problems += gpu_count_problems(train, found)
     for row in report.devices:
         row["busy"] = row["used"] and (row["memory_used_mib"] or 0) > train.max_idle_gpu_memory_mib
         if row["used"]:
             report.problems += device_problems(row, train, found["device_errors"].get(row["device"], ""))
+
+
+def cpu_process_problems(train: TrainConfig, cores: int) -> list[str]:
+    """A gloo run starting more trainer processes than this process's usable cores (one rank a core at most)."""
+    if train.num_processes <= cores:
+        return []
+    return [
+        f"train.num_processes={train.num_processes} with train.backend='gloo' starts {train.num_processes} trainer "
+        f"processes, but this process may use {cores} CPU core(s); expected at most one process per core (more share "
+        f"the cores, and every step waits on the slowest); lower train.num_processes to {cores} or fewer, or train "
+        f"on GPUs (train.backend='nccl')"
+    ]
+
+
+def gpu_count_problems(train: TrainConfig, found: dict) -> list[str]:
+    """A CUDA run's devices as torch sees them (eyas.train.devices' query): none visible, no NCCL, or fewer than
+    train.num_processes. The same problems before the first expensive step (eyas.run_inputs) and here."""
+    devices = found["devices"]
+    if not devices:
+        return [no_device_problem(found)]
+    problems = []
+    if not found["nccl_available"]:
+        problems.append(
+            f"torch {found['torch']} reports no NCCL (torch.distributed.is_nccl_available() is False), expected for "
+            f"train.backend='nccl'; install torch's CUDA build for Linux (its wheels bundle NCCL), or use "
+            f"train.backend='gloo'"
+        )
+    if len(devices) < train.num_processes:
+        problems.append(
+            f"train.num_processes={train.num_processes} but torch sees {len(devices)} GPU(s) "
+            f"({visible_setting(found)}): {', '.join(label(r) for r in devices)}; expose more GPUs with "
+            f"CUDA_VISIBLE_DEVICES or lower train.num_processes"
+        )
+    return problems
 
 
 def device_problems(row: dict, train: TrainConfig, error: str) -> list[str]:

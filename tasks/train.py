@@ -1,7 +1,9 @@
 """Tasks of the training stage: smoke run, device preflight, the torchrun launch with live metrics.
 
-A failed launch is relaunched automatically only if it got further (see `relaunch_if_progressed`);
-the launch itself, and what "further" means, is eyas.train.launch."""
+A failed launch is relaunched automatically only if it got further and its first failing rank's
+exception could pass (see `relaunch_if_progressed`); the launch itself, what "further" means and
+which failures are deterministic is eyas.train.launch. A failed launch's message is the first
+failing rank's own exception and the path of train/torchrun.log."""
 
 from __future__ import annotations
 
@@ -24,18 +26,30 @@ MAX_RELAUNCHES = 2
 
 def relaunch_if_progressed(task, task_run, state) -> bool:
     """Prefect `retry_condition_fn` of the launch: relaunch (resuming from the newest checkpoint) only a
-    trainer that wrote a newer complete checkpoint before it failed. Progress means the failure came
-    later than the last one (a node or network hiccup, a preempted GPU); a trainer that fails again
-    before its next checkpoint would fail the same way on every relaunch (bad data, out of memory at a
-    given step, a bug), so it stops the run with the log instead of burning GPU-hours."""
+    trainer that wrote a newer complete checkpoint before it failed, and whose first failing rank did not
+    fail deterministically. Progress means the failure came later than the last one (a node or network
+    hiccup, a preempted GPU); a trainer that fails again before its next checkpoint would fail the same
+    way on every relaunch (out of memory at a given step, a bug), and so would one whose first failure is
+    a verdict on the data or the state (a shard that does not match its manifest, a non-finite loss:
+    `TorchrunFailed.deterministic`), however far it got: both stop the run with the reason instead of
+    burning GPU-hours."""
     exc = failure_of(state)
-    relaunch = isinstance(exc, TorchrunFailed) and exc.progressed
-    if isinstance(exc, TorchrunFailed):
-        log_to_run(
-            f"{task.name}: trainer failed after reaching {exc.newest.name if exc.newest else 'no checkpoint'} "
-            f"(started from {exc.started_from.name if exc.started_from else 'step 0'}): "
-            + ("relaunching, it resumes from there" if relaunch else "no progress, not relaunched")
+    if not isinstance(exc, TorchrunFailed):
+        return False
+    relaunch = exc.progressed and not exc.deterministic
+    if relaunch:
+        verdict = "relaunching, it resumes from there"
+    elif exc.deterministic:
+        verdict = (
+            f"not relaunched: rank {exc.failure.rank}'s {exc.failure.type} would stop every launch from this "
+            "checkpoint the same way"
         )
+    else:
+        verdict = "no progress, not relaunched"
+    log_to_run(
+        f"{task.name}: trainer failed after reaching {exc.newest.name if exc.newest else 'no checkpoint'} "
+        f"(started from {exc.started_from.name if exc.started_from else 'step 0'}): {verdict}"
+    )
     return relaunch
 
 
@@ -76,7 +90,8 @@ def preflight(config: RunConfig, facts: RunFacts) -> dict:
 
 
 # Not cached: the checkpoints are the durable state. Relaunched at most MAX_RELAUNCHES times, 30 s apart (the
-# dead ranks release their GPUs and the rendezvous port), and only after progress (relaunch_if_progressed).
+# dead ranks release their GPUs and the rendezvous port), and only after progress on a failure that may pass
+# (relaunch_if_progressed); the task's failure message is the first failing rank's exception.
 @task(
     name="launch-torchrun",
     cache_policy=NO_CACHE,

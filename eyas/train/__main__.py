@@ -7,7 +7,8 @@ Usage:
 
 `job.json` is an `eyas.config.TrainJob` (written by eyas.train.launch). What a rank does is
 eyas.train.trainer; this module is the process around it: the job file, the process group, dying
-with the launcher, and a clean exit.
+with the launcher, a record of the exception a rank fails with (eyas.train.failure: the launcher
+shows the first failing rank's), and a clean exit.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import ctypes
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from eyas.config import TrainJob
+from eyas.train.failure import record_failure
 from eyas.train.parallel import init_distributed
 from eyas.train.trainer import train
 
@@ -54,12 +58,30 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@contextmanager
+def failure_recorded(output_dir: str):
+    """An exception leaving the block is recorded for the launcher (eyas.train.failure) and in torchrun's own
+    error file (TORCHELASTIC_ERROR_FILE: its summary in the log then shows the traceback), then raised."""
+    errors = get_error_handler()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: a fatal signal's traceback goes to the log too
+        errors.initialize()
+    try:
+        yield
+    except Exception as exc:
+        record_failure(output_dir, exc)
+        errors.record_exception(exc)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     job = load_job(parse_args(argv).config)
     die_with_launcher()
-    ctx = init_distributed(job.train.backend, job.train.collective_timeout_s)
+    with failure_recorded(job.output_dir):
+        ctx = init_distributed(job.train.backend, job.train.collective_timeout_s)
     try:
-        train(job, ctx)
+        # recorded before this rank leaves the process group: the ranks that fail only because it left come later
+        with failure_recorded(job.output_dir):
+            train(job, ctx)
     finally:
         dist.destroy_process_group()
     return 0

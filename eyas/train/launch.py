@@ -4,9 +4,12 @@
 
 The trainer is never re-run blindly: every launch resumes from the newest complete checkpoint in
 the train directory (eyas.train.trainer) and says which one; a launch that fails raises
-TorchrunFailed, which records whether it got further than it started (a newer complete checkpoint),
-so that a caller can relaunch only a trainer that made progress. Every launcher is recorded in the
-train directory's process registry (eyas.train.preflight), so `eyas stop` stops it and only it.
+TorchrunFailed, whose message is the first failing rank's own exception (eyas.train.failure: the
+type, the message, where it was raised) and the log's path, and which records whether it got
+further than it started (a newer complete checkpoint) and whether its cause would end the same way
+again (`deterministic`), so that a caller relaunches only a trainer that made progress on a failure
+another launch could outlive. Every launcher is recorded in the train directory's process registry
+(eyas.train.preflight), so `eyas stop` stops it and only it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
 from eyas.train.data import total_steps
+from eyas.train.failure import TrainerFailure, clear_failures, first_failure, read_failures
 from eyas.train.metrics import parse_metric_line
 from eyas.train.preflight import record_launch
 
@@ -30,16 +34,35 @@ JOB_FILE = "job.json"
 LOG_FILE = "torchrun.log"
 
 
-class TorchrunFailed(RuntimeError):
-    """torchrun exited non-zero; `progressed`: it left a newer complete checkpoint than it started from."""
+# A first failure of these kinds is a verdict on the data, the state or the code (a shard that does not match
+# its manifest, a non-finite loss, a bad checkpoint): a launch from the same checkpoint meets it again. Any
+# other (a collective whose peer died, an OSError, a rank killed by a signal: no record) may pass.
+DETERMINISTIC_KINDS = ("ValueError", "ArithmeticError", "LookupError", "TypeError", "AssertionError")
 
-    def __init__(self, message: str, *, started_from: Path | None, newest: Path | None):
+
+class TorchrunFailed(RuntimeError):
+    """torchrun exited non-zero. `failure`: the first failing rank's record (None when no rank left one);
+    `progressed`: it left a newer complete checkpoint than it started from; `deterministic`: its cause would
+    stop a relaunch the same way."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        started_from: Path | None,
+        newest: Path | None,
+        failure: TrainerFailure | None = None,
+    ):
         super().__init__(message)
-        self.started_from, self.newest = started_from, newest
+        self.started_from, self.newest, self.failure = started_from, newest, failure
 
     @property
     def progressed(self) -> bool:
         return self.newest is not None and (self.started_from is None or self.newest.name > self.started_from.name)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.failure is not None and self.failure.is_a(*DETERMINISTIC_KINDS)
 
 
 def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None, max_samples: int = 0) -> TrainJob:
@@ -189,6 +212,7 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
     job_path = write_train_job(job, train_dir / JOB_FILE)
     cmd = torchrun_command(config, job_path)
     started_from = latest_complete(train_dir)
+    clear_failures(train_dir)  # the records of an earlier launch
     print(describe_start(started_from, config))
     print(f"launching: {format_command(cmd)}")
     log_path = train_dir / LOG_FILE
@@ -205,12 +229,39 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
             if record is not None and on_metric is not None:
                 on_metric(record)
     if proc.returncode != 0:
+        raise launch_failed(proc.returncode, train_dir, started_from=started_from)
+    return json.loads((train_dir / FINAL_FILE).read_text())
+
+
+def launch_failed(returncode: int, train_dir: Path, *, started_from: Path | None) -> TorchrunFailed:
+    """The failure of a launch that exited non-zero: the first failing rank's exception and where it was
+    raised, the other ranks that failed, the checkpoints, the log's path; without any rank's record (a rank
+    killed by a signal, torchrun itself failing) the log's last lines instead."""
+    log_path, newest = train_dir / LOG_FILE, latest_complete(train_dir)
+    checkpoints = (
+        f"started from {started_from.name if started_from else 'step 0'}, newest complete checkpoint now "
+        f"{newest.name if newest else 'none'}"
+    )
+    try:
+        failures, unreadable = read_failures(train_dir), ""
+    except ValueError as e:
+        failures, unreadable = [], f" ({e})"
+    first = first_failure(failures)
+    if first is None:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
-        newest = latest_complete(train_dir)
-        raise TorchrunFailed(
-            f"torchrun exited with {proc.returncode} (started from {started_from or 'step 0'}, newest complete "
-            f"checkpoint now {newest or 'none'}); last lines of {log_path}:\n{tail}",
+        return TorchrunFailed(
+            f"torchrun exited with {returncode} and no rank recorded an exception{unreadable} ({checkpoints}); "
+            f"last lines of {log_path}:\n{tail}",
             started_from=started_from,
             newest=newest,
         )
-    return json.loads((train_dir / FINAL_FILE).read_text())
+    others = [f"rank {f.rank} ({f.type})" for f in failures[1:]]
+    also = f"; later also {', '.join(others)}" if others else ""
+    return TorchrunFailed(
+        f"training failed on rank {first.rank} of {first.world_size} (the first to fail; {first.host}, pid "
+        f"{first.pid}): {first.type}: {first.message} [raised at {first.where}]{also}; torchrun exited with "
+        f"{returncode} ({checkpoints}); the whole log: {log_path}",
+        started_from=started_from,
+        newest=newest,
+        failure=first,
+    )

@@ -15,10 +15,10 @@ from tasks.retry import TRANSIENT_IO
 
 
 # Cached by the manifest, the shard files themselves (size, times, first MiB: a file changed since cannot come
-# back "ok" from the cache) and the tokenized table; storage errors retried.
+# back "ok" from the cache) and the tokenized table, while the report is the file it wrote; storage errors retried.
 @task(
     name="verify-shards",
-    **cached_by(("target", "extract", "verify"), ("tokenized", "manifest", "shard_files")),
+    **cached_by(("target", "extract", "verify"), ("tokenized", "manifest", "shard_files"), outputs=("verify_report",)),
     **TRANSIENT_IO,
 )
 def verify_shard_set(config: RunConfig, facts: RunFacts, heal_round: int = 0) -> VerifyReport:

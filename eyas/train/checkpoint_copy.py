@@ -158,11 +158,11 @@ def _download(store: Storage, name: str, file: str, checksum: str, output_dir: P
         ) from e
 
 
-def _check_against_record(store: Storage, name: str, step: int, temp: Path, marker: str) -> None:
+def _check_against_record(store: Storage, name: str, temp: Path, marker: str) -> None:
     """The downloaded files against the completion record the copy carries (a copy of a checkpoint from before
     checksums carries none: the manifest's checksums were checked)."""
     try:
-        record = parse_completion_record(marker, temp, step)
+        record = parse_completion_record(marker, temp)
         if record is not None:
             verify_files(temp, record, record["files"])
     except CheckpointDamagedError as err:
@@ -189,7 +189,7 @@ def restore_copy(store: Storage, step: int, output_dir: str | Path) -> Path:
                 marker = data.decode()
             else:
                 (temp / file).write_bytes(data)
-        _check_against_record(store, name, step, temp, marker)
+        _check_against_record(store, name, temp, marker)
         commit_step_dir(temp, root / name, marker)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

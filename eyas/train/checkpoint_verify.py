@@ -73,14 +73,11 @@ def write_marker(step_dir: Path, record: dict | str) -> None:
 def read_completion_record(checkpoint_dir: Path) -> dict | None:
     """The completion record of a complete checkpoint; None for a marker from before checksums (a bare step)."""
     checkpoint_dir = Path(checkpoint_dir)
-    text = (checkpoint_dir / COMPLETE_MARKER).read_text(errors="replace")
-    named = re.fullmatch(r"step-(\d{8})", checkpoint_dir.name)
-    return parse_completion_record(text, checkpoint_dir, int(named.group(1)) if named else None)
+    return parse_completion_record((checkpoint_dir / COMPLETE_MARKER).read_text(errors="replace"), checkpoint_dir)
 
 
-def parse_completion_record(text: str, checkpoint_dir: Path, step: int | None) -> dict | None:
-    """The completion record in a COMPLETE marker's `text`, checked against the `step` its directory's name holds
-    (None: a name without one)."""
+def parse_completion_record(text: str, checkpoint_dir: Path) -> dict | None:
+    """The completion record in a COMPLETE marker's `text` (None for a bare step), its form checked."""
     text = text.strip()
     if text == "" or text.isdigit():
         return None
@@ -97,10 +94,6 @@ def parse_completion_record(text: str, checkpoint_dir: Path, step: int | None) -
     ):
         raise CheckpointDamagedError(
             checkpoint_dir, COMPLETE_MARKER, 'lacks "files" with a "checksum" and "bytes" per file'
-        )
-    if step is not None and record.get("step") != step:  # a checkpoint copied under another name has no step
-        raise CheckpointDamagedError(
-            checkpoint_dir, COMPLETE_MARKER, f"records step {record.get('step')!r}, expected {step} (the directory's)"
         )
     return record
 

@@ -53,12 +53,14 @@ def relaunch_if_progressed(task, task_run, state) -> bool:
     return relaunch
 
 
-# Cached by the shards (manifest), vocab and tokenized table and the config sections it trains with. Not
-# retried: compute on local files, and a loss that does not fall is deterministic.
+# Cached by the shards (manifest), vocab and tokenized table and the config sections it trains with, while RUN/smoke
+# holds what it wrote. Not retried: compute on local files, and a loss that does not fall is deterministic.
 @task(
     name="smoke-run",
     **cached_by(
-        ("target", "dataset", "extract", "draft", "train", "smoke"), ("tokenized", "vocab", "manifest", "shard_files")
+        ("target", "dataset", "extract", "draft", "train", "smoke"),
+        ("tokenized", "vocab", "manifest", "shard_files"),
+        outputs=("smoke",),
     ),
 )
 def smoke_run(config: RunConfig, facts: RunFacts) -> dict:

@@ -149,3 +149,36 @@ def test_deleted_or_damaged_verification_report_runs_verification_again(prefect_
     states += [run_tasks(config, verify) for _ in range(2)]
     assert [s["verify-shards"] for s in states] == ["Completed", "Cached", "Completed", "Completed", "Cached"]
     assert len(calls) == 3
+
+
+def test_deleted_or_damaged_smoke_output_runs_the_smoke_again(prefect_server, config, monkeypatch):
+    """RUN/smoke (the smoke checkpoint and smoke.json) is the smoke run's output; a stand-in smoke writes it here
+    (the real one is tests/test_smoke.py's, and needs extracted shards)."""
+    from types import SimpleNamespace
+
+    import tasks.train
+
+    calls = []
+
+    def run_smoke(config, facts):
+        calls.append(facts)
+        checkpoint = config.paths.smoke_dir / "checkpoints" / "step-00000030"
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "model.safetensors").write_bytes(b"weights %d" % len(calls))
+        (config.paths.smoke_dir / "smoke.json").write_text(json.dumps({"passed": True}))
+        fields = "first last seconds num_samples tokens_per_s device precision save_s peak_bytes micro_batches modules"
+        return SimpleNamespace(**dict.fromkeys(fields.split(), 1), losses=[2.0, 1.0], passed=True)
+
+    monkeypatch.setattr(tasks.train, "run_smoke", run_smoke)
+
+    def smoke(config):
+        tasks.train.smoke_run(config, None)
+
+    states = [run_tasks(config, smoke) for _ in range(2)]
+    (config.paths.smoke_dir / "smoke.json").unlink()
+    states.append(run_tasks(config, smoke))
+    with open(config.paths.smoke_dir / "checkpoints" / "step-00000030" / "model.safetensors", "ab") as f:
+        f.write(b"!")
+    states += [run_tasks(config, smoke) for _ in range(2)]
+    assert [s["smoke-run"] for s in states] == ["Completed", "Cached", "Completed", "Completed", "Cached"]
+    assert len(calls) == 3

@@ -2,21 +2,19 @@
 the path of train/torchrun.log are the launch task's, the flow's and the `eyas train` command's failure message
 (eyas.train.failure, eyas.train.launch, tasks/train.py); a deterministic failure is not relaunched.
 
-Real runs: two gloo ranks under torchrun on a synthetic run laid out as a workdir (eyas.shards.synthetic), with
-one shard damaged after extraction (tests/faults.py): its bytes flipped (the trainer's checksum check refuses
-it) or a NaN written with a valid checksum (the loss goes NaN). Both faults sit in shard 2, which the sample
-order (seed 0, 8 samples a step) first reaches at step 3, after the checkpoints of steps 1 and 2: the launch
-progressed, and is still not relaunched.
+Real runs of `eyas train`: two gloo ranks under torchrun on a synthetic run laid out as a workdir
+(eyas.shards.synthetic), with one shard damaged after extraction (tests/faults.py): a NaN written with a valid
+checksum (the loss goes NaN on every rank after two checkpoints: the launch progressed, and is still not
+relaunched), or its bytes flipped (the trainer's checksum check refuses it on the one rank that reads it,
+while the other rank then loses its peer: the first is named).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,12 +32,11 @@ from eyas.train.failure import FAILURES_DIR, TrainerFailure, first_failure, read
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
 REPO = Path(__file__).resolve().parents[1]
-DAMAGED_SHARD = "shard-00002.safetensors"  # first read at step 3 (seed 0, 32 samples, 8 a step)
 
 
-def failing_workdir(tmp_path: Path, fault: str) -> tuple[Path, object]:
+def failing_workdir(tmp_path: Path, fault: str, at: int) -> tuple[Path, object]:
     """The tiny preset over a synthetic run in tmp_path/run (dataset, vocab and shards as the stages leave them,
-    the approval on record) whose DAMAGED_SHARD has `fault`; (config path, config)."""
+    the approval on record) whose shard `at` has `fault`; (config path, config)."""
     base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
     workdir = tmp_path / "run"
     sections = {
@@ -55,7 +52,7 @@ def failing_workdir(tmp_path: Path, fault: str) -> tuple[Path, object]:
     run = write_synthetic_run(workdir, num_samples=32, per_shard=10)
     write_table(config.paths.tokenized, run["samples"])
     run["vocab"].rename(config.paths.vocab)
-    apply_fault(config.paths.shards_dir, fault, at=2)
+    apply_fault(config.paths.shards_dir, fault, at=at)
     approval = {"approve": True, "reviewer": "test", "note": "", "decided_at": "2026-01-01T00:00:00+00:00"}
     (workdir / "approval.json").write_text(json.dumps({**approval, "config_fingerprint": gate_fingerprint(config)}))
     path = tmp_path / "config.json"
@@ -77,11 +74,6 @@ def write_table(path: Path, samples: list[dict]) -> None:
     ).replace_schema_metadata({"eyas.content_hash": SYNTHETIC_DATASET_HASH})
     path.parent.mkdir(parents=True)
     pq.write_table(table, path)
-
-
-def launch_runs(flow_run_id) -> list:
-    """The launch-torchrun task runs of a flow run."""
-    return task_runs(flow_run_id, "launch-torchrun")
 
 
 def assert_names_the_reason(message: str, config, *words: str) -> None:
@@ -118,48 +110,43 @@ def test_the_oldest_record_is_the_first_failure_and_a_bad_record_is_named(tmp_pa
         read_failures(tmp_path)
 
 
-def test_a_nan_loss_fails_the_flow_with_the_rank_and_is_not_relaunched(prefect_server, tmp_path):
-    """In-process flow run (no gate): the flow's state message and the task's are the trainer's
-    FloatingPointError with its rank and the log's path; the launch had progressed (checkpoints 1 and 2),
-    and a NaN would come back from there: one launch only."""
-    from flows.train import train_flow
-
-    _, config = failing_workdir(tmp_path, "nan")
-    state = train_flow(config, require_approval=False, return_state=True)
-    assert state.is_failed()
-    assert_names_the_reason(state.message, config, "FloatingPointError: step 3: loss nan", "trainer.py:")
-    [launch] = launch_runs(state.state_details.flow_run_id)
-    reason = state.message[state.message.index("TorchrunFailed: ") :]
-    assert launch.run_count == 1 and launch.state.message.endswith(reason), (launch.state.message, state.message)
-    checkpoints = sorted(p.name for p in (config.paths.train_dir / "checkpoints").glob("step-*"))
-    assert checkpoints == ["step-00000001", "step-00000002"]
-    said = "\n".join(logs(state.state_details.flow_run_id))
-    assert "trainer failed after reaching step-00000002 (started from step 0): not relaunched: rank " in said
-    assert "'s FloatingPointError would stop every launch from this checkpoint the same way" in said
+CASES = {
+    # a NaN in sample 20 (shard 2), first read at step 3 by both ranks, after the checkpoints of steps 1 and 2
+    "nan": (2, r"training failed on rank [01] of 2 ", "FloatingPointError: step 3: loss nan", "trainer.py:"),
+    # shard 3's bytes changed: only rank 1 reads it at step 1; rank 0 then loses its peer in the step's collective
+    "flip": (3, "training failed on rank 1 of 2 ", "ShardDataError: shard shard-00003.safetensors: checksum ",
+             "reader.py:"),
+}  # fmt: skip
 
 
+@pytest.mark.parametrize("fault", sorted(CASES))
 @pytest.mark.usefixtures("removes_crash_automation")
-def test_eyas_train_prints_the_bad_shard_the_rank_and_the_log(prefect_server, tmp_path):
-    """`eyas train CONFIG` (the real command: preflight, smoke run, the approval on record, torchrun) on a run
-    whose shard 2 changed after extraction: it exits 1 and prints the trainer's ShardDataError naming the
-    shard, the rank and the log, which is also the message of the flow run on the server."""
-    path, config = failing_workdir(tmp_path, "flip")
-    started = time.monotonic()
+def test_eyas_train_prints_the_first_failing_rank_its_reason_and_the_log(prefect_server, tmp_path, fault):
+    """`eyas train CONFIG` (the real command: input checks, preflight, smoke run, the approval on record,
+    torchrun): it exits 1 and prints the first failing rank's exception and the log's path, which is also the
+    message of the flow run on the server; the launch is not relaunched, not even after progress (nan)."""
+    at, rank_pattern, *words = CASES[fault]
+    path, config = failing_workdir(tmp_path, fault, at)
     done = subprocess.run([sys.executable, "-m", "eyas_cli.main", "train", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    seconds = time.monotonic() - started
-    printed = done.stdout + done.stderr
-    assert done.returncode == 1, printed[-5000:]
+    assert done.returncode == 1, (done.stdout + done.stderr)[-5000:]
     answer = json.loads(done.stdout[done.stdout.rindex('{\n  "state"') :])
-    words = ("ShardDataError: shard shard-00002.safetensors: checksum ", "reader.py:")
-    assert answer["state"] == "Failed"
+    assert answer["state"] == "Failed" and re.search(rank_pattern, answer["message"]), answer
     assert_names_the_reason(answer["message"], config, *words)
     [tag] = read_launches(config.paths.root)
     flow_run = top_run_tagged(tag)
     assert flow_run.state.message == answer["message"]
-    [launch] = launch_runs(flow_run.id)
-    assert launch.run_count == 1, "a shard that does not match its manifest fails every launch: not relaunched"
-    rank = int(re.search(r"training failed on rank (\d) of 2", answer["message"]).group(1))
-    [record] = [f for f in read_failures(config.paths.train_dir) if f.rank == rank]
-    assert record.message.startswith(f"shard {DAMAGED_SHARD}: checksum ") and record.type == "ShardDataError"
-    print(f"eyas train {shlex.quote(str(path))}: {seconds:.1f} s")
+    [launch] = task_runs(flow_run.id, "launch-torchrun")
+    reason = answer["message"][answer["message"].index("TorchrunFailed: ") :]
+    assert launch.run_count == 1 and launch.state.message.endswith(reason), launch.state.message
+    rank = int(re.search(r"training failed on rank (\d)", reason).group(1))
+    first = read_failures(config.paths.train_dir)[0]
+    assert first.rank == rank and f"{first.type}: {first.message}" in reason
+    if fault == "nan":
+        checkpoints = sorted(p.name for p in (config.paths.train_dir / "checkpoints").glob("step-*"))
+        assert checkpoints == ["step-00000001", "step-00000002"]
+        said = "\n".join(logs(flow_run.id))
+        assert (
+            f"trainer failed after reaching step-00000002 (started from step 0): not relaunched: rank {rank}'s "
+            "FloatingPointError would stop every launch from this checkpoint the same way"
+        ) in said

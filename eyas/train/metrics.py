@@ -3,8 +3,10 @@
 Rank 0 appends each record to `output_dir/metrics.jsonl` and prints it to stdout as
 `EYAS_METRIC {...}`, which the train task reads from torchrun's output to show progress. Keys: step,
 epoch, samples_consumed, loss, loss_k, acc_k, lr, grad_norm, num_tokens, elapsed_s, sample_ids.
-A resumed run first cuts the file back to the checkpoint it resumed from (`truncate_metrics`): the steps
+A run first cuts the file back to the checkpoint it resumed from (`truncate_metrics`): the steps
 after it are trained again, so the file holds exactly one record per step after any number of resumes.
+A line that is not a record (a write a kill cut short) is reported and cut there, so that appends go on
+from a clean line; steps missing before the checkpoint (a file cut by hand) are reported too.
 """
 
 from __future__ import annotations
@@ -48,24 +50,55 @@ def last_metrics(path: Path) -> dict | None:
     return None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Every complete record of metrics.jsonl in file order (a torn last line is left out)."""
-    records = []
-    for line in Path(path).read_text().splitlines():
+def scan_metrics(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """(every record of metrics.jsonl in file order, the lines that are not records: (line number, text))."""
+    records, torn = [], []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            continue  # the line a kill cut short
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        else:
+            torn.append((number, line))
+    return records, torn
+
+
+def torn_line_message(path: Path, number: int, line: str, verb: str) -> str:
+    shown = line if len(line) <= 60 else line[:60] + "..."
+    return f"{path} line {number}: not a metric record ({len(line)} characters: {shown!r}), {verb}"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Every record of metrics.jsonl in file order; a line that is not one (a kill cut it short) is left out and
+    reported."""
+    records, torn = scan_metrics(path)
+    for number, line in torn:
+        print(torn_line_message(Path(path), number, line, "left out"), flush=True)
     return records
 
 
 def truncate_metrics(output_dir: Path, step: int) -> int:
-    """Keep the records of steps <= `step` (the checkpoint a run resumes from); returns how many were dropped."""
+    """Keep the records of steps <= `step` (the checkpoint a run resumes from, 0 for a fresh start) and cut every
+    line that is not a record, each reported; a gap before `step` (records that were lost) is reported too.
+    Returns how many records were dropped."""
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
         return 0
-    records = read_metrics(path)
-    kept = [r for r in records if int(r.get("step", 0)) <= step]
-    if len(kept) != len(records) or not path.read_text().endswith("\n") and path.stat().st_size:
+    records, torn = scan_metrics(path)
+    kept = [r for r in records if int(r["step"]) <= step]
+    for number, line in torn:
+        print(torn_line_message(path, number, line, "cut (a write a kill interrupted)"), flush=True)
+    last = max((int(r["step"]) for r in kept), default=0)
+    if last < step:
+        print(
+            f"{path}: records end at step {last} but the run resumes from step {step}: "
+            f"{f'steps {last + 1}-{step} have' if step > last + 1 else f'step {step} has'} no records (the file was "
+            "cut or torn), so the loss curve has a gap there",
+            flush=True,
+        )
+    text = path.read_bytes()
+    if len(kept) != len(records) or torn or text and not text.endswith(b"\n"):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(records) - len(kept)

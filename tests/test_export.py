@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,39 @@ def test_export_replaces_an_earlier_export_but_not_other_directories(ckpt, tmp_p
     with pytest.raises(ExportError, match=r"exists, is not empty and holds no eyas_export.json"):
         export_sglang(ckpt, other)
     assert (other / "keep.txt").exists()
+
+
+KILL_BEFORE_RENAME = """
+import os, signal, sys
+import eyas.export.drafter_dir as d
+from eyas.export.convert import export_sglang
+d.replace_dir = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # killed with the drafter written aside
+export_sglang(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_partial_export_of_a_killed_run_is_removed_by_the_next_one(ckpt, tmp_path, capsys):
+    """A process SIGKILLed inside the export, its drafter written to the temporary but not yet renamed into
+    place: the next export removes that temporary (and says so), and leaves the one of a live export alone."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "export"
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILL_BEFORE_RENAME, str(ckpt), str(out)], env=env, cwd=repo)
+    assert killed.returncode == -signal.SIGKILL
+    [partial] = tmp_path.glob(".export.tmp-*")
+    assert (partial / "model.safetensors").is_file() and not out.exists()
+    live = tmp_path / f".export.tmp-{os.getppid()}"  # another export still writing
+    live.mkdir()
+    export_sglang(ckpt, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".export.tmp-" + str(os.getppid()), "export", ckpt.name]
+    )
+    assert f"removed {partial.name}, a partial export left by process {partial.name.split('-')[-1]}, which is gone" in (
+        capsys.readouterr().out
+    )
 
 
 def test_load_refuses_missing_and_unexpected_keys(ckpt, tmp_path):

@@ -7,12 +7,15 @@
                               and the numbering config.json's ids were written in (config_layer_id_convention)
 
 An export is written to a temporary directory and put in place whole (`write_export_dir`), so a crash
-never leaves a half-written export, and a directory that is not an earlier export is never replaced.
+never leaves a half-written export, and a directory that is not an earlier export is never replaced. The
+temporaries a killed export left beside it (`.NAME.tmp-PID`, `.NAME.old.tmp-PID`) are removed by the next
+export to the same place (`remove_partial_exports`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eyas.export.bin_weights import bin_tensor_shapes, bin_tensor_values
-from eyas.fsio import checked_safetensors_header, read_json_record, replace_dir, temp_path
+from eyas.fsio import TMP_MARKER, checked_safetensors_header, read_json_record, replace_dir, temp_path
 
 MODEL_FILE = "model.safetensors"
 BIN_FILE = "pytorch_model.bin"  # read, never written
@@ -70,6 +73,7 @@ def write_export_dir(out: Path, tensors: dict, files: dict[str, dict | None]) ->
             "directory or an earlier eyas export; refusing to replace it: pick another directory"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_partial_exports(out)
     tmp = temp_path(out)
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -81,6 +85,36 @@ def write_export_dir(out: Path, tensors: dict, files: dict[str, dict | None]) ->
         (tmp / name).write_text("" if data is None else json.dumps(data, indent=2, sort_keys=True) + "\n")
     replace_dir(tmp, out)
     return out
+
+
+def remove_partial_exports(out: Path) -> list[Path]:
+    """Remove the temporaries of exports to `out` whose process is gone (a kill inside an export leaves its
+    partial drafter beside `out`; one of a live export is left to it), each reported. Returns the removed."""
+    removed = []
+    for prefix in (f".{out.name}{TMP_MARKER}", f".{out.name}.old{TMP_MARKER}"):
+        for path in sorted(out.parent.glob(f"{prefix}*")):
+            pid = path.name[len(prefix) :]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            print(f"export {out}: removed {path.name}, a partial export left by process {pid}, which is gone")
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process's own leftover (the pid of a dead one, reused): nothing writes it now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def read_export_provenance(export_dir: str | Path) -> dict | None:

@@ -1,7 +1,7 @@
 """Checksums of a training checkpoint's files, recorded in its COMPLETE marker and checked before anything of it is
 loaded (resume, export, the checkpoint copy's restore), as a shard is checked against its manifest row.
 
-    seal_step_dir(step_dir, step)                      # the files are durable: COMPLETE = their record, written last
+    write_marker(step_dir, completion_record(temp_dir, step))   # eyas.train.checkpoint.commit_step_dir: last
     verify_checkpoint(step_dir, RESUME_FILES)          # True, or False for a checkpoint from before checksums;
                                                        # CheckpointDamagedError names the file that differs
     set_aside(step_dir, reason)                        # step-00000600 -> step-00000600.damaged, DAMAGED.json inside

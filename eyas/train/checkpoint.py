@@ -5,9 +5,10 @@ renamed into place and fsynced, and only then the `COMPLETE` marker written (ato
 checksum and size of every file (eyas.train.checkpoint_verify). A directory without the marker is never
 loaded: a crash at any instant leaves either the previous complete checkpoint or the new one. Every
 reader checks the files it reads against the marker first; a damaged checkpoint raises
-CheckpointDamagedError naming the file (eyas.train.checkpoint_fallback falls back to an older one). The state is always the full (unsharded) one, written by rank 0,
-whether the run used DDP or FSDP2 (eyas.train.parallel): a checkpoint resumes under either, on any world
-size. Contents:
+CheckpointDamagedError naming the file (eyas.train.checkpoint_fallback falls back to an older one, and a
+BEST marker naming a checkpoint that is gone or set aside moves to the best one left). The state is always
+the full (unsharded) one, written by rank 0, whether the run used DDP or FSDP2 (eyas.train.parallel): a
+checkpoint resumes under either, on any world size. Contents:
 
   model.safetensors    the full draft state dict (embed_tokens, d2t, t2d included)
   arch.json            {"arch": DraftArch.to_dict(), "aux_layer_ids", "layer_id_convention",
@@ -27,7 +28,7 @@ it names. A run without held-out evaluation has no marker, and `best_checkpoint`
 
 Everything is read back with `torch.load(..., weights_only=True)` and strict key checks; this module
 is the only reader of a checkpoint directory (`read_checkpoint` for the export, `load_draft` and
-`load_training_state` for the trainer, `checkpoint_state` for eyas status).
+`load_training_state` for the trainer, `train_state` for eyas status, with the checkpoints set aside).
 """
 
 from __future__ import annotations

@@ -53,11 +53,11 @@ def table(config) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_target_dir, tmp_path_factory):
-    """Two doubles, the second failing every 10th request (10%)."""
+    """Two doubles, the second failing every 4th request (25%: it takes at least 4 of the 24 requests)."""
     logs = tmp_path_factory.mktemp("doubles")
     ports = [free_port(), free_port()]
     procs = [start(tiny_target_dir, ports[0], log_path=logs / "a.log"),
-             start(tiny_target_dir, ports[1], fail_every=10, log_path=logs / "b.log")]  # fmt: skip
+             start(tiny_target_dir, ports[1], fail_every=4, log_path=logs / "b.log")]  # fmt: skip
     yield [f"http://127.0.0.1:{p}" for p in ports]
     for p in procs:
         p.kill()
@@ -82,6 +82,7 @@ def test_served_generation_through_two_servers_one_failing_equals_the_reference(
     assert acct["answered"] == NUM_PROMPTS and acct["failed"] == acct["skipped"] == 0
     assert acct["answered"] + acct["failed"] + acct["skipped"] == acct["input"] == NUM_PROMPTS
     assert acct["retried"] >= 1 and acct["token_ids_source"] == {"server": NUM_PROMPTS}
+    assert acct["servers_taken_out"] == {}  # a 500 now and then is no reason to take the server out
     assert table(config) == table(ref_config) and report.content_hash == ref.content_hash
     assert report.generator == "sglang" and report.generation_temperature == report.bench_temperature == 0.0
 
@@ -91,23 +92,30 @@ def test_openai_completions_give_the_same_tokens_and_chat_is_marked_retokenized(
     ref_config, _ = reference
     completions = run_config(tmp_path, tiny_target_dir, "completions", generator="openai", server_urls=servers[:1],
                              openai_model=MODEL_NAME)  # fmt: skip
-    assert build_dataset(completions).accounting["token_ids_source"] == {"server": NUM_PROMPTS}
+    acct = build_dataset(completions).accounting
+    assert acct["token_ids_source"] == {"server": NUM_PROMPTS} and acct["fallbacks"] == {}  # ids in, ids out
     assert table(completions) == table(ref_config)
     chat = run_config(tmp_path, tiny_target_dir, "chat", generator="openai", server_urls=servers[:1],
                       openai_model=MODEL_NAME, openai_endpoint="chat")  # fmt: skip
     assert build_dataset(chat).accounting["token_ids_source"] == {"retokenized": NUM_PROMPTS}
 
 
-def test_a_wrong_model_name_fails_every_prompt_and_the_stage_says_so(servers, tiny_target_dir, tmp_path):
+def test_a_wrong_model_name_is_not_retried_and_takes_the_server_out(servers, tiny_target_dir, tmp_path):
+    """A refusal (HTTP 404 here, as vLLM answers an unknown model) is recorded at its first attempt; a server that
+    refused every request is taken out after BREAKER_FAILURES of them and the stage stops, naming it."""
+    from eyas.dataset.served import BREAKER_FAILURES
+
     config = run_config(tmp_path, tiny_target_dir, "run", generator="openai", server_urls=servers[:1],
-                        openai_model="other", max_attempts=2)  # fmt: skip
+                        openai_model="other", max_attempts=4, max_in_flight=2)  # fmt: skip
     with pytest.raises(DatasetError) as err:
         build_dataset(config)
-    assert f"regeneration: {NUM_PROMPTS} of {NUM_PROMPTS} prompts failed every attempt" in str(err.value)
+    assert str(err.value).startswith("regeneration stopped: no server left to ask, ")
+    assert f"{servers[0]} was taken out after {BREAKER_FAILURES} failed requests in a row" in str(err.value)
     assert "The model `other` does not exist." in str(err.value)
     log = config.paths.dataset_dir / f"responses-{dataset_cache_key(config.dataset, config.target.model_path)}.log"
-    records = ResponseLog(log).read()
-    assert len(records) == NUM_PROMPTS and {r["status"] for r in records.values()} == {"failed"}
+    records = ResponseLog(log).read().values()
+    assert BREAKER_FAILURES <= len(records) < NUM_PROMPTS and {r["status"] for r in records} == {"failed"}
+    assert {r["attempts"] for r in records} == {1}  # never retried: the same request would be refused again
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +229,7 @@ def test_the_flow_survives_a_server_restart_and_a_kill_of_the_stage(prefect_serv
     assert sorted(records) == sorted(r[0] for r in table(ref_config))  # every prompt once in the final table
 
 
-def test_the_gate_shows_the_accounting_and_a_sampling_mismatch():
+def test_the_gate_shows_the_accounting_the_servers_fallbacks_and_a_sampling_mismatch():
     from eyas.gate.summary import dataset_notes
 
     acct = {"input": 10, "answered": 8, "failed": 1, "skipped": 1, "failed_reasons": {"http://a: HTTP 500": 1},
@@ -231,6 +239,13 @@ def test_the_gate_shows_the_accounting_and_a_sampling_mismatch():
                     "to answer); token ids: 8 server")  # fmt: skip
     assert mismatch.startswith("**sampling mismatch**: the responses were sampled at temperature 0.7, the benchmark")
     assert dataset_notes({"accounting": acct, "generation_temperature": 0.0, "bench_temperature": 0.0}) == [rows]
+    served = {**acct, "token_ids_source": {"retokenized": 8}, "fallbacks": {"http://a": ["return_token_ids refused "
+              "(HTTP 422: ...): the answers' text is re-tokenized"]}, "servers_taken_out": {"http://b": "was taken "
+              "out after 8 failed requests in a row; its last answer: HTTP 500"}}  # fmt: skip
+    assert dataset_notes({"accounting": served})[1:] == [
+        "http://a: return_token_ids refused (HTTP 422: ...): the answers' text is re-tokenized",
+        "http://b was taken out after 8 failed requests in a row; its last answer: HTTP 500",
+    ]
 
 
 def test_eyas_launches_the_regeneration_server_and_stops_it(reference, tiny_target_dir, tmp_path, monkeypatch):

@@ -5,37 +5,28 @@ crash-safe log that a re-run resumes.
     log = ResponseLog(RUN/dataset/responses-<key>.log)
     accounting = regenerate(items, generator, log, max_attempts=4, progress=cb)
 
-Generators (one interface: `answer(item) -> Answer`, or `answer_batch(items)` for the local one):
+Generators (one interface: `answer(url, item) -> Answer`, or `answer_batch(items)` for the local one):
 - hf: transformers in this process, batched greedy or sampled decoding (small targets, the demo);
-- sglang: SGLang's POST /generate with `input_ids` (managers/io_struct.py GenerateReqInput), so the tokens
-  trained on are the ones the target produced (`output_ids` of the answer): no re-tokenization;
-- openai: any OpenAI-compatible server (vLLM, SGLang's /v1): `/v1/completions` with the prompt's token ids, or
-  `/v1/chat/completions` with the messages, both with `return_token_ids` (vLLM >= 0.10.2 answers with
-  `choices[0].token_ids`, vllm/entrypoints/openai/protocol.py);
-  where the server returns no token ids the text is re-tokenized and the report says so
-  (`token_ids_source: retokenized`: the ids may differ from the ones the target sampled).
-Every server URL of `dataset.generation.server_urls` gets `max_in_flight` worker threads that take requests
-from one queue, so a slow or dead server takes less of the work. A failed request is retried (up to
-`max_attempts`, backoff 0.5 s doubling to 8 s, on any server); then it is recorded as failed with its reason.
-An answer the server aborted (HTTP 200 with finish_reason "abort" and the tokens decoded until then) is a
-failed request, never a response.
+- sglang, openai: served engines (eyas.dataset.served: the requests, the forms an OpenAI-compatible server
+  accepts, the worker threads with retries and a circuit breaker). Where the server returns no token ids the
+  text is re-tokenized and the report says so (`token_ids_source: retokenized`: the ids may differ from the
+  ones the target sampled; `fallbacks` names the server and the answer that refused them).
 
 The log (`ResponseLog`): one record a line, `xxh3-128:<digest> {id, status, output_ids, finish_reason,
 token_ids_source, attempts, reason}`, the digest that of the JSON after it (eyas.checksum); lines are written and flushed one by
 one and fsynced at least every second, so a kill -9 loses at most the requests in flight (a torn last line
 is dropped on reading; a damaged line before it is an error naming it). A re-run asks only for the prompts
 without an answered record; an id answered twice keeps its first answer, so no prompt is answered twice in
-the table. Accounting: answered + failed + skipped = input, with reasons.
+the table. Accounting: answered + failed + skipped = input, with reasons. When the circuit breaker has taken
+out every server, the stage stops at once with a DatasetError naming each server and its last answer.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,31 +36,23 @@ import orjson
 
 from eyas.checksum import checksum_bytes
 from eyas.dataset.prompts import DatasetError
-from eyas.engines.sglang import SglangServerError, request_json
+from eyas.dataset.served import (
+    Answer,
+    Item,
+    NoServerLeft,
+    OpenAIGenerator,
+    RequestFailed,
+    Sampling,
+    SGLangGenerator,
+    serve,
+)
+
+__all__ = ["Accounting", "Answer", "HFGenerator", "Item", "OpenAIGenerator", "RequestFailed", "ResponseLog",
+           "Sampling", "SGLangGenerator", "regenerate"]  # fmt: skip
 
 log = logging.getLogger("eyas.dataset")
 LOG_EVERY_S = 30.0
 FSYNC_EVERY_S = 1.0
-
-
-@dataclass
-class Item:
-    """One prompt to answer: its id, its tokens, its turns (for a chat endpoint)."""
-
-    id: str
-    prompt_ids: list[int]
-    turns: list[dict]
-
-
-@dataclass
-class Answer:
-    output_ids: list[int]
-    finish_reason: str
-    token_ids_source: str  # "local" (hf), "server" (ids from the server), "retokenized" (text re-encoded)
-
-
-class RequestFailed(RuntimeError):
-    """One request did not produce an answer; retried, then recorded."""
 
 
 @dataclass
@@ -83,6 +66,8 @@ class Accounting:
     retried: int = 0
     resumed_answered: int = 0  # answered records found in the log at start
     token_ids_source: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)  # server -> what it refused, what that means
+    servers_taken_out: dict[str, str] = field(default_factory=dict)  # server -> why (the circuit breaker)
 
     def check(self) -> None:
         if self.answered + self.failed + self.skipped != self.input:
@@ -170,13 +155,6 @@ class ResponseLog:
 # ---- generators -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-
 class HFGenerator:
     """The target through transformers in this process, batched (left padding); cut after the first EOS."""
 
@@ -211,82 +189,6 @@ class HFGenerator:
                 row, reason = row[: row.index(eos) + 1], "stop"
             answers.append(Answer(row, reason, "local"))
         return answers
-
-
-def _post(url: str, body: dict, timeout_s: float) -> dict:
-    try:
-        return request_json(url, body, timeout_s=timeout_s, what=f"POST {url}", fix="retried on any server")
-    except SglangServerError as err:
-        raise RequestFailed(str(err)) from err
-
-
-def _aborted(message) -> str:
-    """The reason of an answer the server aborted, which is no response: SGLang answers a request stopped by
-    /abort_request (Scheduler.abort_request sets FINISH_ABORT(), managers/schedule_batch.py) or dropped from its
-    waiting queue with HTTP 200, the tokens decoded so far and finish_reason {"type": "abort", "message": ...}
-    (TokenizerManager._handle_abort_finish_reason turns only an abort with a status code into an HTTP error);
-    its /v1 endpoints and vLLM's say finish_reason "abort"."""
-    return f"aborted by the server (finish_reason abort{f': {message}' if message else ''})"
-
-
-class SGLangGenerator:
-    """SGLang's /generate with input_ids; the answer's output_ids are the tokens kept."""
-
-    name = "sglang"
-
-    def __init__(self, urls: list[str], sampling: Sampling, in_flight: int, timeout_s: float):
-        self.urls, self.sampling, self.in_flight, self.timeout_s = list(urls), sampling, in_flight, timeout_s
-
-    def answer(self, url: str, item: Item) -> Answer:
-        params = {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
-                  "max_new_tokens": self.sampling.max_new_tokens}  # fmt: skip
-        body = {"input_ids": item.prompt_ids, "rid": f"eyas-gen-{uuid.uuid4().hex}", "sampling_params": params}
-        answer = _post(f"{url}/generate", body, self.timeout_s)
-        ids = answer.get("output_ids") if isinstance(answer, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise RequestFailed(f"answer without output_ids: {str(answer)[:200]}")
-        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
-        if finish.get("type") == "abort":
-            raise RequestFailed(_aborted(finish.get("message")))
-        return Answer(ids, str(finish.get("type", "unknown")), "server")
-
-
-class OpenAIGenerator:
-    """An OpenAI-compatible server: /v1/completions with token ids (or /v1/chat/completions with messages)."""
-
-    name = "openai"
-
-    def __init__(self, urls, sampling: Sampling, in_flight: int, timeout_s: float, *, model: str, endpoint: str,
-                 tokenizer):  # fmt: skip
-        self.urls, self.sampling, self.in_flight, self.timeout_s = list(urls), sampling, in_flight, timeout_s
-        self.model, self.endpoint, self.tokenizer = model, endpoint, tokenizer
-
-    def answer(self, url: str, item: Item) -> Answer:
-        # return_token_ids: vLLM (>= 0.10.2) then puts the generated ids in choices[0].token_ids (both endpoints)
-        common = {"model": self.model, "max_tokens": self.sampling.max_new_tokens, "return_token_ids": True,
-                  "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}  # fmt: skip
-        if self.endpoint == "chat":
-            answer = _post(f"{url}/v1/chat/completions", {**common, "messages": item.turns}, self.timeout_s)
-        else:
-            body = {**common, "prompt": item.prompt_ids}
-            answer = _post(f"{url}/v1/completions", body, self.timeout_s)
-        try:
-            choice = answer["choices"][0]
-        except (KeyError, IndexError, TypeError) as err:
-            raise RequestFailed(f"answer without choices[0]: {str(answer)[:200]}") from err
-        reason = str(choice.get("finish_reason") or "unknown")
-        if reason == "abort":
-            raise RequestFailed(_aborted(None))
-        ids = choice.get("token_ids")
-        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
-            return Answer(ids, reason, "server")
-        text = choice["message"]["content"] if self.endpoint == "chat" else choice.get("text")
-        if not isinstance(text, str):
-            raise RequestFailed(f"answer without text or token_ids: {str(choice)[:200]}")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if reason == "stop" and self.tokenizer.eos_token_id is not None:
-            ids = ids + [self.tokenizer.eos_token_id]  # the end token the server does not return as text
-        return Answer(ids, reason, "retokenized")
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
@@ -354,9 +256,22 @@ def regenerate(
                 for item, answer in zip(chunk, generator.answer_batch(chunk), strict=True):
                     keep(_record(item, answer, 1))
         else:
-            acct.retried = _serve(todo, generator, keep, max_attempts)
+            stats = serve(todo, generator, keep, max_attempts, _record)
+            acct.retried, acct.servers_taken_out, acct.fallbacks = stats.retried, stats.taken_out, generator.fallbacks
+    except NoServerLeft as err:
+        raise DatasetError(
+            f"regeneration stopped: no server left to ask, {err.not_answered} of {len(todo)} prompts not answered; "
+            + "; ".join(f"{url} {why}" for url, why in err.taken_out.items())
+            + f"; the {len(items) - len(todo) + sum(r['status'] == 'answered' for r in new.values())} answers so far "
+            f"are kept in {response_log.path}: fix or restart the server (its last answer says what went wrong) and "
+            "re-run the stage, which asks only for the missing ones"
+        ) from err
     finally:
         response_log.close()
+    for url, notes in acct.fallbacks.items():
+        log.warning("regeneration: %s: %s", url, "; ".join(notes))
+    for url, why in acct.servers_taken_out.items():
+        log.warning("regeneration: %s %s; the other servers answered its prompts", url, why)
     records.update(new)
     final = {it.id: records[it.id] for it in items if it.id in records}
     acct.answered = sum(1 for r in final.values() if r["status"] == "answered")
@@ -368,52 +283,3 @@ def regenerate(
     acct.token_ids_source = dict(Counter(r["token_ids_source"] for r in final.values() if r["status"] == "answered"))
     acct.check()
     return final, acct
-
-
-def _serve(todo: list[Item], generator, keep: Callable[[dict], None], max_attempts: int) -> int:
-    """Worker threads per server URL over one queue; returns how many retries were made."""
-    work: queue.Queue = queue.Queue()
-    for item in todo:
-        work.put((item, 1))
-    pending = [len(todo)]
-    retries = [0]
-    lock = threading.Lock()
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def worker(url: str) -> None:
-        while not stop.is_set():
-            try:
-                item, attempt = work.get(timeout=0.05)
-            except queue.Empty:
-                with lock:
-                    if pending[0] == 0:
-                        return
-                continue
-            try:
-                record = _record(item, generator.answer(url, item), attempt)
-            except RequestFailed as err:
-                if attempt < max_attempts:
-                    with lock:
-                        retries[0] += 1
-                    time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
-                    work.put((item, attempt + 1))
-                    continue
-                record = _record(item, None, attempt, f"{url}: {err}")
-            except BaseException as err:  # a bug or an interrupt: stop every worker, raise it once
-                errors.append(err)
-                stop.set()
-                return
-            keep(record)
-            with lock:
-                pending[0] -= 1
-
-    threads = [threading.Thread(target=worker, args=(url,), daemon=True) for url in generator.urls
-               for _ in range(generator.in_flight)]  # fmt: skip
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return retries[0]

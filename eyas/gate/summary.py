@@ -60,6 +60,8 @@ def dataset_notes(dataset: dict) -> list[str]:
             + (f" ({'; '.join(f'{n} x {r}' for r, n in reasons.items())})" if reasons else "")
             + (f"; token ids: {token_sources(acct['token_ids_source'])}" if acct.get("token_ids_source") else "")
         )
+        notes += [f"{url}: {'; '.join(dropped)}" for url, dropped in acct.get("fallbacks", {}).items()]
+        notes += [f"{url} {why}" for url, why in acct.get("servers_taken_out", {}).items()]
     gen, bench = dataset.get("generation_temperature"), dataset.get("bench_temperature")
     if gen is not None and bench is not None and gen != bench:
         notes.append(

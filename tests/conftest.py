@@ -20,7 +20,8 @@ def pytest_configure(config):
 # The modules that run whole pipelines (minutes each) go first: `make test` spreads the modules over two
 # processes in this order (pytest-xdist, --dist loadfile), so the long ones overlap the many short ones.
 LONG_MODULES = ("test_worker_death", "test_pipeline", "test_kimi_target", "test_crash_vm", "test_status_server",
-                "test_ui_browser", "test_regeneration", "test_train_failure")  # fmt: skip
+                "test_ui_browser", "test_regeneration", "test_train_failure",
+                "test_transformers_serve")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 from run_queries import task_runs
 
 from eyas.config import load_run_config
+from eyas.dataset.table import read_tokenized_meta
 
 pytestmark = pytest.mark.usefixtures("flush_prefect_logs")
 
@@ -88,7 +90,10 @@ def test_damaged_table_is_rebuilt_not_reused(prefect_server, config, capsys):
     stage must not take it for its own table."""
     run_dataset(config)
     table = config.paths.tokenized.read_bytes()
-    flip_byte(config.paths.tokenized, 0.3)
+    chunk = pq.read_metadata(config.paths.tokenized).row_group(0).column(2)  # input_ids
+    middle = chunk.data_page_offset + chunk.total_compressed_size // 2
+    flip_byte(config.paths.tokenized, middle / config.paths.tokenized.stat().st_size)
+    assert read_tokenized_meta(config.paths.tokenized)["eyas.cache_key"]  # the library alone would reuse it
     assert run_dataset(config) == {**CACHED, "regenerate-and-tokenize": "Completed"}
     assert config.paths.tokenized.read_bytes() == table
     out = capsys.readouterr().out

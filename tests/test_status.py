@@ -8,123 +8,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from status_runs import (
+    REPO,
+    build_finished_run,
+    build_partial_run,
+    build_trained_run,
+    config_at,
+    states,
+    write_checkpoint_dir,
+    write_extract_meta,
+    write_metrics,
+)
 
 from eyas.config import load_run_config
-from eyas.gate.approval import gate_fingerprint
-from eyas.shards.synthetic import write_synthetic_run
+from eyas.shards.reader import ShardDataError
 from eyas.status.report import NotARunError, record_run_config, run_status
+from eyas.train.checkpoint_fallback import AllCheckpointsDamagedError
 from eyas.train.metrics import last_metrics
-from eyas.verify.report import ShardReportRow, VerifyReport, write_verify_report
-
-REPO = Path(__file__).resolve().parents[1]
-NUM_SAMPLES, PER_SHARD = 32, 10  # 4 shards
-CONTENT_HASH = "0123456789abcdef"
-
-
-def config_at(workdir: Path, tmp_path: Path):
-    """The tiny preset with this workdir, written to tmp_path/config.json; (path, config)."""
-    config = load_run_config(REPO / "deployments" / "tiny-cpu.json").model_copy(update={"workdir": str(workdir)})
-    path = tmp_path / "config.json"
-    path.write_text(config.model_dump_json())
-    return path, config
-
-
-def write_dataset(config, samples: list[dict]) -> None:
-    ids = [s["input_ids"].tolist() for s in samples]
-    masks = [s["loss_mask"].tolist() for s in samples]
-    table = pa.table(
-        {
-            "sample_index": pa.array(range(len(ids)), pa.int64()),
-            "id": pa.array([f"s{i}" for i in range(len(ids))]),
-            "input_ids": pa.array(ids, pa.list_(pa.int32())),
-            "loss_mask": pa.array(masks, pa.list_(pa.uint8())),
-            "num_tokens": pa.array([len(x) for x in ids], pa.int32()),
-        }
-    ).replace_schema_metadata({"eyas.content_hash": CONTENT_HASH, "eyas.cache_key": "test"})
-    paths = config.paths
-    paths.dataset_dir.mkdir(parents=True)
-    pq.write_table(table, paths.tokenized)
-    report = {"num_samples": len(ids), "num_tokens": sum(map(len, ids)), "num_loss_tokens": sum(map(sum, masks))}
-    (paths.dataset_dir / "report.json").write_text(json.dumps(report))
-
-
-def write_extract_meta(config, num_shards: int, **changed) -> None:
-    meta = {
-        "format_version": "2", "target_fingerprint": "synthetic", "aux_layer_ids": [1, 2, 3],
-        "layer_id_convention": "hf_hidden_states", "hidden_size": 32, "num_aux": 3, "dtype": "float32",
-        "target_dtype": "float32", "backend": "hf", "dataset_hash": CONTENT_HASH, "shard_bytes": 4194304,
-        "num_shards": num_shards, "aux_dtype": "float32", "teacher": "last_hidden", "teacher_topk": 0, **changed,
-    }  # fmt: skip
-    (config.paths.shards_dir / "extract.json").write_text(json.dumps(meta))
-
-
-def build_partial_run(tmp_path: Path, planned: int = 6):
-    """Dataset done, 4 of `planned` shards extracted, one interrupted write; (config path, config)."""
-    path, config = config_at(tmp_path / "run", tmp_path)
-    run = write_synthetic_run(config.paths.root, num_samples=NUM_SAMPLES, per_shard=PER_SHARD)
-    write_dataset(config, run["samples"])
-    run["vocab"].rename(config.paths.vocab)
-    write_extract_meta(config, planned)
-    (config.paths.shards_dir / ".shard-00004.safetensors.tmp-4242").write_bytes(b"cut short")
-    return path, config
-
-
-def write_checkpoint_dir(train_dir: Path, step: int, complete: bool = True) -> Path:
-    ckpt = train_dir / "checkpoints" / f"step-{step:08d}"
-    ckpt.mkdir(parents=True)
-    state = {"step": step, "samples_consumed": step * 16, "epoch": 0, "world_size": 2, "loss": 5.0}
-    (ckpt / "trainer_state.json").write_text(json.dumps(state))
-    if complete:
-        (ckpt / "COMPLETE").write_text(f"{step}\n")
-    return ckpt
-
-
-def write_metrics(train_dir: Path, steps: range) -> None:
-    lines = [json.dumps({"step": s, "epoch": 0, "loss": 9.0 - s / 100, "acc_k": [0.5, 0.4], "lr": 1e-4}) for s in steps]
-    (train_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-
-
-def build_trained_run(tmp_path: Path):
-    """Every shard extracted and verified, smoke run passed, approved, trained to the planned last step."""
-    from eyas.train.data import total_steps
-
-    path, config = build_partial_run(tmp_path, planned=4)
-    rows = [ShardReportRow(i, f"shard-{i:05d}.safetensors", "ok", ["header"], "", 100, 1000, 0.1) for i in range(4)]
-    write_verify_report(VerifyReport("full", rows), config.paths.verify_report)
-    config.paths.smoke_dir.mkdir()
-    smoke = {"first": 9.0, "last": 4.0, "passed": True, "num_steps": 40}
-    (config.paths.smoke_dir / "smoke.json").write_text(json.dumps(smoke))
-    approval = {"approve": True, "reviewer": "ada", "note": "", "decided_at": "2026-01-01T00:00:00+00:00"}
-    approval["config_fingerprint"] = gate_fingerprint(config)
-    (config.paths.root / "approval.json").write_text(json.dumps(approval))
-    last = total_steps(NUM_SAMPLES, config.train)
-    ckpt = write_checkpoint_dir(config.paths.train_dir, last)
-    write_metrics(config.paths.train_dir, range(1, last + 1))
-    final = {"checkpoint": str(ckpt), "step": last, "final_loss": 4.2}
-    (config.paths.train_dir / "final.json").write_text(json.dumps(final))
-    return path, config, ckpt
-
-
-def build_finished_run(tmp_path: Path):
-    path, config, ckpt = build_trained_run(tmp_path)
-    out = config.paths.export_dir / "sglang"
-    out.mkdir(parents=True)
-    for name, text in (("config.json", "{}"), ("model.safetensors", "x")):
-        (out / name).write_text(text)
-    (out / "eyas_export.json").write_text(json.dumps({"source_checkpoint": str(ckpt)}))
-    os.utime(out / "model.safetensors", (1e9, 1e9))  # exported before the benchmark ran
-    config.paths.bench_dir.mkdir()
-    bench = {"engine": "reference", "tau_mean": 2.31, "tau_ngram": 1.5, "tau_random": 1.0, "num_prompts": 48}
-    bench["accept_rate_per_position"] = [0.6, 0.45, 0.3]
-    (config.paths.bench_dir / "benchmark.json").write_text(json.dumps(bench))
-    return path, config
-
-
-def states(status) -> dict[str, str]:
-    return {s.stage: s.state for s in status.stages}
 
 
 def test_an_empty_workdir_has_every_stage_not_started(tmp_path):
@@ -191,6 +92,115 @@ def test_a_crashed_training_resumes_from_the_newest_complete_checkpoint(tmp_path
     assert train.detail.startswith("stopped: newest complete checkpoint step 20 of 30; last logged step 30")
     assert status.next_steps()[0].startswith(f"`eyas train {path}`: resumes from step 20")
     assert status.progress["train"]["incomplete_checkpoints"] == 1
+
+
+def stopped_at_step_20(tmp_path: Path):
+    """A trained run whose last save (step 30) was cut short: the newest complete checkpoint is step 20."""
+    path, config, ckpt = build_trained_run(tmp_path)
+    (config.paths.train_dir / "final.json").unlink()
+    (ckpt / "COMPLETE").unlink()
+    write_checkpoint_dir(config.paths.train_dir, 20)
+    return path, config
+
+
+def record_failures(monkeypatch, train_dir: Path, *failures: tuple[int, Exception]) -> None:
+    """What the ranks of a 2-process launch leave as each raises (eyas.train.failure.record_failure), in order."""
+    from eyas.train.failure import record_failure
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, exc in failures:
+        monkeypatch.setenv("RANK", str(rank))
+        try:
+            raise exc
+        except Exception as raised:
+            record_failure(train_dir, raised)
+
+
+SHARD_FLIP = (
+    "shard shard-00003.safetensors: checksum 0123abcd, the manifest says 4567ef01; its bytes changed after "
+    "extraction: run eyas verify, which quarantines and re-extracts it"
+)
+
+
+def test_a_failed_training_shows_the_first_failing_rank_as_the_launch_does_and_its_log(tmp_path, monkeypatch):
+    from eyas.train.launch import launch_failed
+
+    path, config = stopped_at_step_20(tmp_path)
+    train_dir = config.paths.train_dir
+    peer = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    record_failures(monkeypatch, train_dir, (1, ShardDataError(SHARD_FLIP)), (0, peer))
+    launched = str(launch_failed(1, train_dir, started_from=train_dir / "checkpoints" / "step-00000020"))
+    reason = launched.split("; torchrun exited with ")[0]  # what `eyas train` and the flow run said
+    assert reason.startswith("training failed on rank 1 of 2 (the first to fail; ")
+    assert f"ShardDataError: {SHARD_FLIP} [raised at tests/test_status.py:" in reason
+    assert reason.endswith(" in record_failures]; later also rank 0 (RuntimeError)")
+    status = run_status(path)
+    train, log = status.stage("train"), train_dir / "torchrun.log"
+    assert (train.state, train.evidence) == ("failed", "train/failures")
+    assert train.detail == f"{reason}; newest complete checkpoint step 20 of 30; the whole log: {log}"
+    assert f"| train | failed | {train.detail} | train/failures |" in status.to_markdown()
+    assert status.progress["train"]["failure"]["deterministic"] is True
+
+
+FAILURE_ADVICE = {
+    # a deterministic first failure: what to fix, never the same `eyas train` alone
+    "shard": (ShardDataError(SHARD_FLIP),
+              "`eyas verify CFG` quarantines it and re-extracts it, then `eyas train CFG` resumes from step 20"),
+    "nan": (FloatingPointError("step 21: loss nan (per TTT step [nan, nan, nan]); training diverged"),
+            "(`eyas verify CFG` with verify.mode=full finds it) or a learning rate too high (lower train.lr in CFG)"),
+    "checkpoint": (AllCheckpointsDamagedError("every complete checkpoint is damaged; restore one from a copy"),
+                   "a checkpoint could not be used: do what the error says, then `eyas train CFG`"),
+    # one another launch may outlive: the re-run, which resumes
+    "io": (OSError(5, "Input/output error"),
+           "OSError is not a deterministic failure (a lost peer, an I/O error may pass): `eyas train CFG` resumes "
+           "from step 20"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", sorted(FAILURE_ADVICE))
+def test_a_deterministic_training_failure_is_answered_with_its_fix_not_the_same_rerun(tmp_path, monkeypatch, fault):
+    path, config = stopped_at_step_20(tmp_path)
+    exc, advice = FAILURE_ADVICE[fault]
+    record_failures(monkeypatch, config.paths.train_dir, (0, exc))
+    status = run_status(path)
+    log = config.paths.train_dir / "torchrun.log"
+    steps = status.next_steps()
+    assert steps[0].startswith(f"training failed: {type(exc).__name__}: {exc} (the whole log: {log}). ")
+    assert advice.replace("CFG", str(path)) in steps[0], steps[0]
+    alone = f"Re-running `eyas train {path}` alone fails the same way ({type(exc).__name__} is deterministic): "
+    assert (alone in steps[0]) is (fault != "io")
+    assert not any(step.startswith("`eyas train") for step in steps)
+
+
+def test_checkpoints_set_aside_as_damaged_are_listed_with_the_file_and_why(tmp_path):
+    from eyas.train.checkpoint_fallback import resume_checkpoint
+    from eyas.train.checkpoint_verify import RESUME_FILES, TRAINER_STATE_FILE, completion_record, write_marker
+
+    path, config, newest = build_trained_run(tmp_path)
+    train_dir = config.paths.train_dir
+    for step, ckpt in ((20, write_checkpoint_dir(train_dir, 20)), (30, newest)):
+        for name in set(RESUME_FILES) - {TRAINER_STATE_FILE}:
+            (ckpt / name).write_bytes(f"{name} of step {step}".encode())
+        write_marker(ckpt, completion_record(ckpt, step))
+    with open(newest / "optimizer.pt", "r+b") as f:
+        f.write(b"O")  # one byte flipped after the checkpoint was completed
+    logged = []
+    assert resume_checkpoint(train_dir, log=logged.append) == train_dir / "checkpoints" / "step-00000020"
+    aside = train_dir / "checkpoints" / "step-00000030.damaged"
+    reason = json.loads((aside / "DAMAGED.json").read_text())["reason"]
+    assert reason.startswith(f"checkpoint {newest}: optimizer.pt has checksum ")
+    status = run_status(path)
+    train = status.stage("train")
+    assert train.state == "partial"  # final.json names the checkpoint set aside: training resumes from step 20
+    assert train.detail == (
+        "stopped: newest complete checkpoint step 20 of 30; last logged step 30; a re-run resumes from the "
+        f"checkpoint; set aside as damaged (kept for inspection, delete once read): train/checkpoints/"
+        f"step-00000030.damaged ({reason})"
+    )
+    assert [(r["checkpoint"], r["path"]) for r in status.progress["train"]["set_aside"]] == [
+        ("step-00000030", str(aside))
+    ]
+    assert status.next_steps()[0].startswith(f"`eyas train {path}`: resumes from step 20")
 
 
 def test_a_running_trainer_is_reported_with_its_pid(tmp_path):

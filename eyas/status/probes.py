@@ -27,9 +27,11 @@ from eyas.shards.encoding import extract_encoding
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
 from eyas.status.launches import LAUNCHES_DIR, TAG_PREFIX
+from eyas.status.training import recorded_failure, set_aside_text
 from eyas.storage import LocalStorage
 from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, read_best, train_state
 from eyas.train.data import total_steps
+from eyas.train.failure import FAILURES_DIR
 from eyas.train.launch import JOB_FILE, LOG_FILE
 from eyas.train.metrics import METRICS_FILE, last_metrics
 from eyas.train.preflight import REGISTRY, alive_recorded
@@ -239,7 +241,17 @@ def probe_train(ctx: Context) -> tuple[str, str, str]:
         info["last_metrics"] = {k: metrics[k] for k in keep if k in metrics}
         if metrics.get("eval"):  # an evaluation newer than the checkpoint's
             info["eval"] = {"step": metrics["step"], **metrics["eval"]}
+    if state.set_aside:
+        info["set_aside"] = state.set_aside
     ctx.progress["train"] = info
+    stage_state, detail, evidence = train_stage(ctx, state, info, metrics, alive)
+    return stage_state, detail + (f"; {set_aside_text(state.set_aside, ctx.rel)}" if state.set_aside else ""), evidence
+
+
+def train_stage(ctx: Context, state, info: dict, metrics: dict | None, alive: list) -> tuple[str, str, str]:
+    """The train stage's state from what probe_train read (the checkpoints set aside are added by the caller):
+    running, failed (the last launch's ranks recorded why, eyas.status.training), finished, or stopped."""
+    train_dir, planned, latest = ctx.paths.train_dir, info["planned_steps"], state.latest
     of = f" of {planned:,}" if planned else ""
     at = f"newest complete checkpoint step {info['step']:,}{of}" if latest else "no complete checkpoint"
     if alive:
@@ -248,6 +260,10 @@ def probe_train(ctx: Context) -> tuple[str, str, str]:
             f"trainer running (pid {', '.join(map(str, info['running_pids']))}); {at}",
             ctx.rel(train_dir / REGISTRY),
         )
+    failure = recorded_failure(train_dir)
+    if failure is not None:
+        info["failure"] = failure
+        return FAILED, f"{failure['reason']}; {at}; the whole log: {failure['log']}", ctx.rel(train_dir / FAILURES_DIR)
     final = state.final
     if final is not None and latest is not None:
         if final["step"] == info["step"] and (planned is None or final["step"] >= planned):

@@ -12,7 +12,8 @@ file's owner), never from a log:
     verify     verify/report.parquet against the manifest (a shard extracted later is unverified)
     smoke      smoke/smoke.json
     approval   approval.json, for this configuration's fingerprint
-    train      train/checkpoints/step-*/COMPLETE, final.json, metrics.jsonl, the trainer PIDs eyas recorded
+    train      train/checkpoints/step-*/COMPLETE, final.json, metrics.jsonl, the trainer PIDs eyas recorded,
+               train/failures/ (why the last launch failed), checkpoints/step-*.damaged (set aside)
     export     export/sglang/ (+ eyas_export.json naming the checkpoint it came from)
     bench      bench/benchmark.json, bench/diagnosis.json
 
@@ -43,6 +44,7 @@ from eyas.status import probes
 from eyas.status.launches import ALIVE, ELSEWHERE, GONE, LAUNCHES_DIR, launch_of, liveness, read_launches
 from eyas.status.probes import DONE, FAILED, REJECTED, RUNNING, STALE, UNREADABLE
 from eyas.status.progress import progress_lines, training_plan
+from eyas.status.training import failure_step
 from eyas.train.devices import DeviceQueryFailed, query_devices
 
 RUN_CONFIG_NAME = probes.RUN_CONFIG_NAME
@@ -235,6 +237,8 @@ def stage_command(stage: StageState, cfg: str, run: str, status: RunStatus) -> s
     if name == "train":
         step = status.progress.get("train", {}).get("step")
         where = f"resumes from step {step:,}" if step else "starts from step 0"
+        if state == FAILED:
+            return failure_step(status.progress["train"]["failure"], cfg, where)
         return f"`eyas train {cfg}`: {where} (an approval recorded for this configuration is not asked again) {whole}"
     if name == "export":
         return f"`eyas export {cfg}` {whole}"

@@ -2,6 +2,7 @@
 
     record_failure(output_dir, exc)     # a rank, in its top-level `except`, before the process group goes
     first_failure(read_failures(output_dir))   # the launcher, after torchrun exited non-zero
+    describe_failures(failures)                # "training failed on rank R of W (...): TYPE: MESSAGE [...]"
 
 A rank that raises writes `output_dir/failures/rank-RRRRR.json` (rank, host, pid, the time to the
 microsecond, the exception's type and its base classes, its message, where it was raised, the
@@ -113,3 +114,16 @@ def read_failures(output_dir: str | Path) -> list[TrainerFailure]:
 def first_failure(failures: list[TrainerFailure]) -> TrainerFailure | None:
     """The root cause: the oldest record (read_failures sorts them)."""
     return failures[0] if failures else None
+
+
+def describe_failures(failures: list[TrainerFailure]) -> str:
+    """What a failed launch says of its ranks' records (read_failures, not empty): the first failing rank, its
+    exception and where it was raised, then the other ranks that failed (the launcher's message and eyas
+    status's)."""
+    first = failures[0]
+    others = [f"rank {f.rank} ({f.type})" for f in failures[1:]]
+    also = f"; later also {', '.join(others)}" if others else ""
+    return (
+        f"training failed on rank {first.rank} of {first.world_size} (the first to fail; {first.host}, pid "
+        f"{first.pid}): {first.type}: {first.message} [raised at {first.where}]{also}"
+    )

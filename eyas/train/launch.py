@@ -26,7 +26,7 @@ from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
 from eyas.train.data import total_steps
-from eyas.train.failure import TrainerFailure, clear_failures, first_failure, read_failures
+from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
 from eyas.train.metrics import parse_metric_line
 from eyas.train.preflight import record_launch
 
@@ -255,12 +255,8 @@ def launch_failed(returncode: int, train_dir: Path, *, started_from: Path | None
             started_from=started_from,
             newest=newest,
         )
-    others = [f"rank {f.rank} ({f.type})" for f in failures[1:]]
-    also = f"; later also {', '.join(others)}" if others else ""
     return TorchrunFailed(
-        f"training failed on rank {first.rank} of {first.world_size} (the first to fail; {first.host}, pid "
-        f"{first.pid}): {first.type}: {first.message} [raised at {first.where}]{also}; torchrun exited with "
-        f"{returncode} ({checkpoints}); the whole log: {log_path}",
+        f"{describe_failures(failures)}; torchrun exited with {returncode} ({checkpoints}); the whole log: {log_path}",
         started_from=started_from,
         newest=newest,
         failure=first,

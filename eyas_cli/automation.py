@@ -101,8 +101,13 @@ def crash_detection(within_s: int = WITHIN_S):
 
 
 def install_crash_detection(within_s: int = WITHIN_S) -> UUID:
-    """Create the automation, or update the installed one if it differs (an identical one is left as is, so
-    the windows it is timing keep running). Returns its id."""
+    """Create the automation, or update the installed one if it does something else (an identical one is left as
+    is). Returns its id.
+
+    An update loses the windows open at that moment: the server times one window per run (an automation bucket)
+    keyed by the trigger's id, and gives the trigger a new id on every update (whatever id is sent). A run
+    whose process died within one window before a change of the window is therefore not marked Crashed;
+    `eyas status` still says that its process is gone."""
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
 
@@ -112,12 +117,23 @@ def install_crash_detection(within_s: int = WITHIN_S) -> UUID:
     if not installed:
         return wanted.create().id
     current = Automation(**installed[0].model_dump())
-    fields = {"description", "enabled", "trigger", "actions"}
-    if current.model_dump(mode="json", include=fields) != wanted.model_dump(mode="json", include=fields):
-        for name in fields:
+    if not same_automation(current, wanted):
+        for name in AUTOMATION_FIELDS:
             setattr(current, name, getattr(wanted, name))
         current.update()
     return current.id
+
+
+AUTOMATION_FIELDS = ("description", "enabled", "trigger", "actions")
+
+
+def same_automation(installed, wanted) -> bool:
+    """Whether the installed automation does what `wanted` does. Compared as Python values: the trigger's
+    `after`, `expect` and `for_each` are sets, whose JSON lists come in an order that differs from one process
+    to the next (string hashing is salted per process); compared as JSON, about every other eyas command found
+    the identical automation changed and updated it, losing the windows of the runs killed just before."""
+    fields = set(AUTOMATION_FIELDS)
+    return installed.model_dump(include=fields) == wanted.model_dump(include=fields)
 
 
 def main(argv: list[str] | None = None) -> int:

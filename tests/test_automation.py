@@ -33,12 +33,35 @@ def test_install_is_idempotent_and_updates_a_changed_window(prefect_server, inst
 
     from eyas_cli.automation import NAME, install_crash_detection
 
+    def trigger_id(automation_id) -> str:  # the server's id for the trigger, which its windows are keyed by
+        with get_client(sync_client=True) as client:
+            response = client.request("GET", "/automations/{id}", path_params={"id": automation_id})
+        return response.json()["trigger"]["id"]
+
     first = install_crash_detection(within_s=120)
+    opened_windows_under = trigger_id(first)
     assert install_crash_detection(within_s=120) == first
+    assert trigger_id(first) == opened_windows_under  # left as is: the windows it is timing keep running
     assert install_crash_detection(within_s=240) == first
     with get_client(sync_client=True) as client:
         [automation] = client.read_automations_by_name(NAME)
     assert automation.trigger.within.total_seconds() == 240
+
+
+def test_an_installed_automation_is_the_same_whatever_order_its_sets_come_back_in():
+    """The server returns the trigger's sets as lists in its own process's order; another eyas process orders the
+    same sets otherwise (string hashing is salted per process). Compared as JSON they differed, and the update
+    that followed lost the windows of the runs killed just before (tests/test_crash_detection.py)."""
+    from prefect.automations import Automation
+
+    from eyas_cli.automation import crash_detection, same_automation
+
+    wanted = crash_detection(90)
+    answer = wanted.model_dump(mode="json") | {"id": "7d8c2f1e-0000-4000-8000-000000000001"}
+    answer["trigger"]["expect"] = list(reversed(answer["trigger"]["expect"]))
+    installed = Automation(**answer)
+    assert same_automation(installed, wanted)
+    assert not same_automation(installed, crash_detection(120))
 
 
 def test_worker_setup_creates_its_process_pool_once(prefect_server):

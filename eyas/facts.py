@@ -7,7 +7,9 @@ They come from config.json and the weight headers of the target (no weights are 
 of the tokenized table (its content hash and sample count), the configured aux layer ids resolved
 against the target's layer count, and where extraction writes. `sample_lengths()` reads one
 column of the table, on demand. A RunFacts is a pydantic model: flows hand it to their tasks and
-subflows as an argument, and extraction hands it to workers on other machines.
+subflows as an argument, and extraction hands it to workers on other machines. What a user can get wrong in
+them (paths, vocab sizes, process counts, a dataset with nothing to train on) is refused before the dataset
+stage, by eyas.run_inputs.
 """
 
 from __future__ import annotations

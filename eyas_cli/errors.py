@@ -7,6 +7,11 @@ for a mistake a user can make.
   an unreachable server, a refused engine command): the message, and exit code 2;
 - a failed run: the verb itself returns 1;
 - anything else is a bug: the traceback, a line saying so and how to report it, exit code 3.
+A user error raised inside a flow (a stage refusing its input) ends the same way: the flow's failed state carries
+it back (`raise_user_error`), and the console shows Prefect's log lines about it without the traceback
+(`quiet_user_error_tracebacks`; the server's logs keep it). An operating system's error on a path (a directory
+where a file belongs, a file on the way to the workdir, a missing or unreadable file) is told as the config
+field that names the path, what was found, what the field expects and the fix (`describe(err, config)`).
 `--debug` (or EYAS_DEBUG=1) prints the traceback for every error.
 A config that does not validate is listed field by field in eyas's own words: the path of each invalid
 field, the value found and what is expected, and the preset to copy from.
@@ -14,6 +19,8 @@ field, the value found and what is expected, and the preset to copy from.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import traceback
@@ -49,6 +56,8 @@ def _expected(err: dict) -> str:
         return words[kind]
     if kind == "literal_error":
         return f"one of {ctx.get('expected')}"
+    if kind == "string_pattern_mismatch":
+        return f"a string matching {ctx.get('pattern')}"
     for bound, text in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if bound in ctx:
             return f"a value {text} {ctx[bound]}"
@@ -69,6 +78,8 @@ def format_validation_error(err, source: str, model=None) -> str:
             lines.append(f"  {where}: unknown field" + (f"; expected one of {known}" if known else ""))
         elif e["type"] == "missing":
             lines.append(f"  {where}: missing; expected {_expected(e)}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a section's check: its own words
+            lines.append(f"  {_expected(e)}")
         else:
             lines.append(f"  {where}: found {e.get('input')!r}, expected {_expected(e)}")
     return "\n".join(lines)
@@ -86,21 +97,30 @@ def _fields_at(model, loc: tuple) -> list[str]:
     return sorted(current.model_fields) if current is not None else []
 
 
+# Error classes of libraries, by module: only those already imported can have been raised, so an error is
+# classified without importing a library for it (prefect alone costs a second).
+_LIBRARY_USER_ERRORS = (("safetensors", "SafetensorError"), ("httpx", "HTTPError"),
+                        ("eyas.engines.sglang_release", "SglangServerError"), ("prefect.exceptions", "ObjectNotFound"))  # fmt: skip
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input or an unreachable service, not a bug."""
-    import httpx
-    from prefect.exceptions import ObjectNotFound
-    from safetensors import SafetensorError
+    loaded = (sys.modules.get(module) for module, _ in _LIBRARY_USER_ERRORS)
+    extra = tuple(getattr(m, name) for m, (_, name) in zip(loaded, _LIBRARY_USER_ERRORS) if m is not None)
+    return (UserError, ValueError, OSError, KeyError, *extra)
 
-    from eyas.engines.sglang import SglangServerError
 
-    return (UserError, ValueError, OSError, KeyError, SafetensorError, httpx.HTTPError, SglangServerError,
-            ObjectNotFound)  # fmt: skip
+_DEBUG = {"on": False}  # --debug, as guarded was given it
+
+
+def debugging() -> bool:
+    return _DEBUG["on"] or os.environ.get("EYAS_DEBUG") == "1"
 
 
 def guarded(fn: Callable[[], int], *, debug: bool = False) -> int:
     """fn's exit code; an error becomes one message (see the module docstring)."""
-    debug = debug or os.environ.get("EYAS_DEBUG") == "1"
+    _DEBUG["on"] = debug  # also read by quiet_user_error_tracebacks
+    debug = debugging()
     try:
         return fn()
     except KeyboardInterrupt:
@@ -121,15 +141,78 @@ def guarded(fn: Callable[[], int], *, debug: bool = False) -> int:
         return EXIT_BUG
 
 
-def describe(err: BaseException) -> str:
+def describe(err: BaseException, config=None) -> str:
+    """The message of a user error; `config` (a RunConfig) names the field behind a path an OSError names."""
     from pydantic import ValidationError
 
     if isinstance(err, ValidationError):
         return format_validation_error(err, err.title)
-    if isinstance(err, FileNotFoundError) and err.filename and not err.args[1:] == ():
-        return f"{err.filename}: no such file or directory"
+    if isinstance(err, OSError) and err.filename is not None and len(err.args) > 1:
+        from eyas_cli.path_errors import explain_os_error
+
+        return explain_os_error(err, config)
+    if type(err).__name__ == "JSONDecodeError" and hasattr(err, "doc"):
+        from eyas_cli.path_errors import explain_json_error
+
+        return explain_json_error(err, config)
+    if isinstance(err, UnicodeDecodeError):
+        return (
+            f"text that is not UTF-8 ({err.reason} at byte {err.start}: {err.object[err.start : err.start + 8]!r}); "
+            "expected UTF-8: re-encode the file (e.g. `iconv -f LATIN1 -t UTF-8`)"
+        )
     if isinstance(err, KeyError):
         return str(err.args[0]) if err.args else "missing key"
     text = str(err) or type(err).__name__
-    mine = isinstance(err, (UserError, ValueError)) or type(err).__module__.startswith("eyas")
+    worded = isinstance(err, OSError) and len(err.args) == 1 and isinstance(err.args[0], str)  # eyas's own words
+    mine = worded or isinstance(err, (UserError, ValueError)) or type(err).__module__.startswith("eyas")
     return text if mine else f"{type(err).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def user_errors_of(config):
+    """Inside: a user error becomes a UserError worded with the run's config (its path fields named)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except user_error_types() as err:
+        raise UserError(describe(err, config)) from err
+
+
+def raise_user_error(state) -> None:
+    """When a flow's state failed on a user error (a stage refused its input), raise that error: the command
+    then ends with its message and exit code 2, as when the CLI finds it. A failed run is left to the caller."""
+    if state.is_completed():
+        return
+    err = state.result(raise_on_failure=False)
+    if isinstance(err, user_error_types()):
+        raise err
+
+
+class _UserErrorsInOneLine(logging.Formatter):
+    """A console formatter around another: a record about a user error is shown without its traceback."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        err = record.exc_info[1] if record.exc_info else None
+        if err is None or not isinstance(err, user_error_types()):
+            return self.inner.format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def quiet_user_error_tracebacks() -> None:
+    """Prefect's console log lines about a user error lose their traceback (unless --debug); the handlers that
+    send logs to the server keep theirs. Call once Prefect has set up its logging (after importing prefect)."""
+    if debugging():
+        return
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler.formatter, _UserErrorsInOneLine):
+            handler.setFormatter(_UserErrorsInOneLine(handler.formatter or logging.Formatter()))

@@ -111,7 +111,8 @@ def load_config(path: str, workdir: str | None = None):
     from eyas_cli.errors import PRESET_HINT, UserError, format_validation_error
 
     if not Path(path).is_file():
-        raise UserError(f"config {path}: no such file; expected a JSON RunConfig, e.g. {PRESET_HINT}")
+        found = "a directory" if Path(path).is_dir() else "no such file"
+        raise UserError(f"config {path}: {found}; expected a JSON RunConfig file, e.g. {PRESET_HINT}")
     try:
         config = load_run_config(path)
     except ValidationError as err:
@@ -128,8 +129,11 @@ def start_in_process(config) -> tuple[str, str]:
     whether this process still lives (eyas.status.launches). Returns (API URL, the tag of its flow runs)."""
     from eyas.status.launches import TAG_PREFIX, record_launch
     from eyas_cli.automation import HEARTBEAT_S, crash_window_s, install_crash_detection
+    from eyas_cli.path_errors import blocking_file
     from eyas_cli.server import connect
 
+    if blocking_file(config.paths.root.absolute()) is not None:  # refused before a server is started for it
+        raise NotADirectoryError(20, "Not a directory", str(config.paths.root))
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
     within_s = crash_window_s()  # a bad EYAS_CRASH_WITHIN_S is refused before anything starts
     api = connect()
@@ -145,12 +149,15 @@ def run_pipeline(config, answer: str | None) -> int:
 
     from eyas.gate.summary import SUMMARY_FILE
     from eyas_cli.approval import GateWatcher
+    from eyas_cli.errors import quiet_user_error_tracebacks, raise_user_error
     from eyas_cli.server import ui_url
     from flows.pipeline import pipeline
 
+    quiet_user_error_tracebacks()
     GateWatcher(tag, ui_url(api), answer, summary_path=config.paths.root / SUMMARY_FILE).start()
     with tags(tag, f"config-{config.name}"):
         state = pipeline(config, return_state=True)
+    raise_user_error(state)  # a stage refused its input: its message and exit code 2
     if not state.is_completed():
         print(f"\npipeline ended {state.name}: {state.message}", file=sys.stderr)
         return 1
@@ -178,7 +185,10 @@ def run_stage(stage: str, config) -> int:
     _, tag = start_in_process(config)
     from prefect import tags
 
+    from eyas_cli.errors import quiet_user_error_tracebacks, raise_user_error
     from flows import bench, dataset, export, extract, train, verify
+
+    quiet_user_error_tracebacks()
 
     flow_fn = {
         "dataset": dataset.build_dataset_flow,
@@ -190,6 +200,7 @@ def run_stage(stage: str, config) -> int:
     }[stage]
     with tags(tag, f"config-{config.name}"):
         state = flow_fn(config, return_state=True)
+    raise_user_error(state)  # a stage refused its input: its message and exit code 2
     print(
         json.dumps(
             state.result() if state.is_completed() else {"state": state.name, "message": state.message},
@@ -198,31 +209,6 @@ def run_stage(stage: str, config) -> int:
         )
     )
     return 0 if state.is_completed() else 1
-
-
-def run_remap(args: argparse.Namespace) -> int:
-    from eyas.export.keys import FORMATS
-    from eyas.export.remap import remap_checkpoint
-
-    if args.to not in FORMATS:
-        print(f"eyas remap --to {args.to}: unknown format; expected one of {sorted(FORMATS)}", file=sys.stderr)
-        return 2
-    try:
-        out = remap_checkpoint(
-            args.src,
-            args.dst,
-            to=args.to,
-            dtype=args.dtype,
-            embed_from=args.embed_from,
-            num_target_layers=args.num_target_layers,
-            sglang_version=args.sglang_version,
-            target=args.target,
-        )
-    except (OSError, ValueError) as err:
-        print(f"eyas remap: {err}", file=sys.stderr)
-        return 2  # bad input: the source cannot be converted as asked
-    print(f"{args.src} -> {out} ({args.to}); key set and shapes checked")
-    return 0
 
 
 def looks_like_run_id(run: str) -> bool:
@@ -297,34 +283,6 @@ def show_status(run: str, as_json: bool) -> int:
     return 0
 
 
-def show_target(path: str, as_json: bool) -> int:
-    from eyas.target import TargetError, TargetFacts
-
-    try:
-        facts = TargetFacts.read(path).summary()
-    except (OSError, KeyError, TargetError) as err:
-        print(f"eyas target: {err}", file=sys.stderr)
-        return 2
-    if as_json:
-        print(json.dumps(facts, indent=1))
-        return 0
-    arch = ", ".join(facts["architectures"])
-    text = ", ".join(facts["text_architectures"])
-    print(f"target {path}: {arch}" + (f" (text model {text})" if text != arch else ""))
-    print(
-        f"  layers {facts['num_layers']}, hidden {facts['hidden_size']}, vocab {facts['vocab_size']} (embedding "
-        f"rows), tied embeddings {str(facts['tie_word_embeddings']).lower()}, fingerprint {facts['fingerprint']}"
-    )
-    print(f"  default aux layer ids {facts['default_aux_layer_ids']} (hf_hidden_states)")
-    for numbering, ids in facts["layer_numbering"].items():
-        print(f"    {numbering}: {ids}")
-    if facts.get("sglang_refuses"):
-        print(f"  SGLang: {facts['sglang_refuses']}")
-    if facts["remote_code"]:
-        print(f"  needs its own code to load (target.trust_remote_code: true): {facts['remote_code']}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     from eyas_cli.errors import guarded
 
@@ -333,12 +291,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    if args.command == "demo":
-        return run_pipeline(load_config(str(DEMO_PRESET), args.workdir), args.approve)
-    if args.command == "run":
-        return run_pipeline(load_config(args.config), args.approve)
+    if args.command in ("demo", "run", *STAGES, "plan", "engine-command"):
+        from eyas_cli.errors import user_errors_of
+
+        config = load_config(str(DEMO_PRESET), args.workdir) if args.command == "demo" else load_config(args.config)
+        with user_errors_of(config):  # an error on a path names the config field behind it
+            return run_config_verb(args, config)
+    return dispatch_other(args)
+
+
+def run_config_verb(args: argparse.Namespace, config) -> int:
+    """The verbs that take a run's config."""
+    if args.command in ("demo", "run"):
+        return run_pipeline(config, args.approve)
     if args.command in STAGES:
-        return run_stage(args.command, load_config(args.config))
+        return run_stage(args.command, config)
+    if args.command == "plan":
+        from eyas_cli.plan import show_plan
+
+        return show_plan(config, args.config, args.json)
+    import shlex
+
+    from eyas_cli.engine_command import engine_command
+
+    argv = engine_command(config, args.stage)
+    out = {"stage": args.stage, "argv": argv, "command": shlex.join(argv)}
+    print(json.dumps(out, indent=1) if args.json else out["command"])
+    return 0
+
+
+def dispatch_other(args: argparse.Namespace) -> int:
     if args.command == "worker":
         from eyas_cli.worker import run
 
@@ -359,50 +341,12 @@ def dispatch(args: argparse.Namespace) -> int:
         approve_run(args.run_id, approve=not args.reject, reviewer=args.reviewer, note=args.note)  # UserError
         print(f"flow run {args.run_id}: {'rejected' if args.reject else 'approved'} by {args.reviewer}")
         return 0
-    if args.command == "inspect":
-        from eyas.export.inspect import inspect_drafter
-
-        try:
-            report = inspect_drafter(
-                args.path, num_target_layers=args.num_target_layers, engine=args.engine, target=args.target
-            )
-        except (OSError, ValueError) as err:
-            print(f"eyas inspect: {err}", file=sys.stderr)
-            return 2
-        print(report.text)
-        return 0 if report.ok else 1
-    if args.command == "remap":
-        return run_remap(args)
     if args.command == "status":
         return show_status(args.run, args.json)
-    if args.command == "target":
-        return show_target(args.path, args.json)
-    if args.command == "plan":
-        from eyas_cli.plan import show_plan
+    from eyas_cli import offline
 
-        return show_plan(load_config(args.config), args.config, args.json)
-    if args.command == "engine-command":
-        import shlex
-
-        from eyas_cli.engine_command import engine_command
-
-        argv = engine_command(load_config(args.config), args.stage)
-        out = {"stage": args.stage, "argv": argv, "command": shlex.join(argv)}
-        print(json.dumps(out, indent=1) if args.json else out["command"])
-        return 0
-    if args.command == "stop":
-        from eyas.train.preflight import stop_recorded
-
-        if not Path(args.train_dir).is_dir():
-            from eyas_cli.errors import UserError
-
-            raise UserError(
-                f"eyas stop {args.train_dir}: no such directory; expected a run's train directory (RUN/train)"
-            )
-        stopped = stop_recorded(Path(args.train_dir))
-        print(f"stopped {stopped}" if stopped else f"no process recorded in {args.train_dir} is running")
-        return 0
-    raise AssertionError(args.command)
+    return {"inspect": offline.run_inspect, "remap": offline.run_remap, "target": offline.show_target,
+            "stop": offline.run_stop}[args.command](args)  # fmt: skip
 
 
 if __name__ == "__main__":

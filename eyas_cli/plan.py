@@ -29,8 +29,8 @@ def read_target(config: RunConfig, config_path: str):
         found = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(
             f"eyas plan {config_path}: cannot read the facts of target.model_path={config.target.model_path!r}: "
-            f"{found}; expected the target's directory (its config.json and *.safetensors headers: no weights are "
-            "read): set target.model_path in the config, or run where the target is",
+            f"{found} (the plan reads its config.json and *.safetensors headers, no weights); set target.model_path "
+            "in the config, or run where the target is",
             file=sys.stderr,
         )
         return None

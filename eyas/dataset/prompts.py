@@ -15,12 +15,14 @@ class DatasetError(ValueError):
 
 def read_prompts(path: str | Path, num_samples: int = 0) -> list[dict]:
     """The first `num_samples` rows (0 = all), each checked by `check_conversation`."""
+    if Path(path).is_dir():
+        raise DatasetError(f"prompts file {path}: a directory, expected a JSONL file of prompts; name the file itself")
     rows = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            row = _json_row(line, f"{path}:{line_no}")
             check_conversation(row, f"{path}:{line_no}")
             rows.append(row)
             if num_samples and len(rows) == num_samples:
@@ -30,12 +32,31 @@ def read_prompts(path: str | Path, num_samples: int = 0) -> list[dict]:
     return rows
 
 
+def _json_row(line: bytes, where: str) -> dict:
+    """One JSONL line as an object, or a DatasetError saying what the line is instead."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise DatasetError(
+            f"{where}: not UTF-8 text ({err.reason} at byte {err.start}), expected JSONL in UTF-8; re-encode the file "
+            "(e.g. `iconv -f LATIN1 -t UTF-8`)"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{where}: not a JSON object ({err}); expected one prompt row a line") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a JSON {type(row).__name__}, expected an object (one prompt row a line)")
+    return row
+
+
 def check_conversation(row: dict, where: str) -> None:
     turns = row.get("conversations")
     if "id" not in row or not isinstance(turns, list) or not turns:
         raise DatasetError(
             f"{where}: expected {{id, conversations: [{{role, content}}, ...]}}, found keys {sorted(row)}"
         )
+    bad = next((t for t in turns if not (isinstance(t, dict) and isinstance(t.get("content"), str))), None)
+    if bad is not None:
+        raise DatasetError(f"{where} (id {row['id']}): turn {bad!r:.80}; expected {{role, content: text}}")
     if turns[0].get("role") == "system":
         turns = turns[1:]
     roles = [t.get("role") for t in turns]

@@ -1,0 +1,122 @@
+"""The verbs that read a drafter, a target or a train directory on disk, without Prefect: `eyas inspect`,
+`eyas remap`, `eyas target`, `eyas stop`. A path that is missing, or a file where a directory belongs, is refused
+before the library (and torch) is imported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eyas_cli.errors import UserError
+
+DRAFTER_DIR = "a drafter checkpoint directory (config.json and model.safetensors: an eyas checkpoint or an export)"
+TARGET_DIR = "a Hugging Face model directory (config.json, *.safetensors, the tokenizer)"
+
+
+def need_directory(what: str, path: str | None, expected: str) -> None:
+    """A UserError naming `what` unless `path` (when given) is a directory."""
+    if path is None or Path(path).is_dir():
+        return
+    found = "a file" if Path(path).exists() else "no such directory"
+    fix = "name the directory that holds it" if Path(path).exists() else "fix the path"
+    raise UserError(f"{what} {path}: {found}; expected {expected}; {fix}")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    need_directory("eyas inspect", args.path, DRAFTER_DIR)
+    need_directory("eyas inspect --target", target_dir(args.target), TARGET_DIR)
+    from eyas.export.inspect import inspect_drafter
+
+    try:
+        report = inspect_drafter(
+            args.path, num_target_layers=args.num_target_layers, engine=args.engine, target=args.target
+        )
+    except (OSError, ValueError) as err:
+        print(f"eyas inspect: {err}", file=sys.stderr)
+        return 2
+    print(report.text)
+    return 0 if report.ok else 1
+
+
+def target_dir(target: str | None) -> str | None:
+    """--target names the target's directory or its config.json: the directory either way."""
+    return str(Path(target).parent) if target and Path(target).name == "config.json" else target
+
+
+def run_remap(args: argparse.Namespace) -> int:
+    from eyas.export.keys import FORMATS
+
+    if args.to not in FORMATS:
+        print(f"eyas remap --to {args.to}: unknown format; expected one of {sorted(FORMATS)}", file=sys.stderr)
+        return 2
+    need_directory("eyas remap", args.src, DRAFTER_DIR)
+    need_directory("eyas remap --target", target_dir(args.target), TARGET_DIR)
+    if args.embed_from and not Path(args.embed_from).exists():
+        raise UserError(
+            f"eyas remap --embed-from {args.embed_from}: no such file or directory; expected the target's directory "
+            "or a safetensors file holding its embed_tokens; fix the path"
+        )
+    from eyas.export.remap import remap_checkpoint
+
+    try:
+        out = remap_checkpoint(
+            args.src,
+            args.dst,
+            to=args.to,
+            dtype=args.dtype,
+            embed_from=args.embed_from,
+            num_target_layers=args.num_target_layers,
+            sglang_version=args.sglang_version,
+            target=args.target,
+        )
+    except (OSError, ValueError) as err:
+        print(f"eyas remap: {err}", file=sys.stderr)
+        return 2  # bad input: the source cannot be converted as asked
+    print(f"{args.src} -> {out} ({args.to}); key set and shapes checked")
+    return 0
+
+
+def show_target(args: argparse.Namespace) -> int:
+    path, as_json = args.path, args.json
+    need_directory("eyas target", path, TARGET_DIR)
+    from eyas.target import TargetError, TargetFacts
+
+    try:
+        facts = TargetFacts.read(path).summary()
+    except json.JSONDecodeError as err:
+        from eyas_cli.path_errors import explain_json_error
+
+        print(f"eyas target: {explain_json_error(err, places=[path])}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, TargetError) as err:
+        print(f"eyas target: {err}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(facts, indent=1))
+        return 0
+    arch = ", ".join(facts["architectures"])
+    text = ", ".join(facts["text_architectures"])
+    print(f"target {path}: {arch}" + (f" (text model {text})" if text != arch else ""))
+    print(
+        f"  layers {facts['num_layers']}, hidden {facts['hidden_size']}, vocab {facts['vocab_size']} (embedding "
+        f"rows), tied embeddings {str(facts['tie_word_embeddings']).lower()}, fingerprint {facts['fingerprint']}"
+    )
+    print(f"  default aux layer ids {facts['default_aux_layer_ids']} (hf_hidden_states)")
+    for numbering, ids in facts["layer_numbering"].items():
+        print(f"    {numbering}: {ids}")
+    if facts.get("sglang_refuses"):
+        print(f"  SGLang: {facts['sglang_refuses']}")
+    if facts["remote_code"]:
+        print(f"  needs its own code to load (target.trust_remote_code: true): {facts['remote_code']}")
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    need_directory("eyas stop", args.train_dir, "a run's train directory (RUN/train)")
+    from eyas.train.preflight import stop_recorded
+
+    stopped = stop_recorded(Path(args.train_dir))
+    print(f"stopped {stopped}" if stopped else f"no process recorded in {args.train_dir} is running")
+    return 0

@@ -106,8 +106,8 @@ _LIBRARY_USER_ERRORS = (("safetensors", "SafetensorError"), ("httpx", "HTTPError
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input or an unreachable service, not a bug."""
     loaded = (sys.modules.get(module) for module, _ in _LIBRARY_USER_ERRORS)
-    extra = tuple(getattr(m, name) for m, (_, name) in zip(loaded, _LIBRARY_USER_ERRORS) if m is not None)
-    return (UserError, ValueError, OSError, KeyError, *extra)
+    extra = (getattr(m, name, None) for m, (_, name) in zip(loaded, _LIBRARY_USER_ERRORS) if m is not None)
+    return (UserError, ValueError, OSError, KeyError, *(cls for cls in extra if isinstance(cls, type)))
 
 
 _DEBUG = {"on": False}  # --debug, as guarded was given it
@@ -182,8 +182,8 @@ def user_errors_of(config):
 def raise_user_error(state) -> None:
     """When a flow's state failed on a user error (a stage refused its input), raise that error: the command
     then ends with its message and exit code 2, as when the CLI finds it. A failed run is left to the caller."""
-    if state.is_completed():
-        return
+    if not state.is_failed():
+        return  # completed, or crashed or cancelled: not the input's fault
     err = state.result(raise_on_failure=False)
     if isinstance(err, user_error_types()):
         raise err

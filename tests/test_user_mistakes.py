@@ -213,6 +213,8 @@ STAGE_ROWS = [
      ["bench.prompts_path='{missing}': no such file, expected held-out prompts JSONL; fix the path"]),
     ("bench", "held-out prompts not JSON", {"bench.prompts_path": "{notjson}"}, 2,
      ["bench.prompts_path='{notjson}'", "{notjson}:1: not a JSON object"]),
+    ("run", "held-out prompts missing, found before the pipeline's first stage", {"bench.prompts_path": "{missing}"},
+     2, ["bench.prompts_path='{missing}': no such file", "found before any stage started its work"]),
     ("train", "more trainer processes than cores", {"train.num_processes": 64}, 2,
      ["train.num_processes=64 with train.backend='gloo' starts 64 trainer processes", "lower train.num_processes"]),
 ]
@@ -390,3 +392,17 @@ def test_a_user_error_in_a_flow_log_is_one_line_on_the_console():
     if os.environ.get("EYAS_DEBUG") != "1":
         user = record(ValueError("bad"))
         assert formatter.format(user) == "failed" and user.exc_info is not None  # the server's handler keeps it
+
+
+def test_a_failed_run_is_not_a_user_error(prefect_server):
+    """Only a flow that failed on a user error ends as one (exit 2); a failed run (its own RuntimeError: training,
+    verification, the gate, the benchmark's tau) or a crashed one keeps exit code 1. (prefect_server: prefect is
+    imported in this process only once PREFECT_API_URL names the session's server.)"""
+    from prefect.states import Completed, Crashed, Failed
+
+    from eyas_cli.errors import raise_user_error
+
+    for state in (Completed(data=1), Failed(data=RuntimeError("loss nan")), Crashed(message="process gone")):
+        raise_user_error(state)
+    with pytest.raises(IsADirectoryError):
+        raise_user_error(Failed(data=IsADirectoryError(21, "Is a directory", "/x")))

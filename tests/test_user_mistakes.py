@@ -3,10 +3,11 @@ message naming what is wrong, exit code 2, no traceback, whichever stage finds i
 
 The table below is the test: (what, argv, exit code, words of the message). Config rows name the preset's edits
 (`deployments/tiny-cpu.json`, workdir under the test's directory); {dir}, {file}, {missing}, {latin1}, {notjson},
-{list}, {empty} are a directory, a plain file, a path that does not exist, a JSONL file that is not UTF-8, a file
-that is not JSON, a JSON list and an empty file. Each row runs the real command in its own process (tests/cli_rows.py
+{list}, {empty}, {badtarget}, {wronghidden} are a directory, a plain file, a path that does not exist, a JSONL file
+that is not UTF-8, a file that is not JSON, a JSON list, an empty file, a target whose config.json is not JSON and one
+whose config.json gives another hidden size than its weights. Each row runs the real command in its own process (tests/cli_rows.py
 forks one per row from an interpreter that imported the CLI once). Answered cleanly = the exit code, every word in
-stderr, no "Traceback" in stdout or stderr, and at most one `eyas:` message.
+stderr, no "Traceback" in stdout or stderr, at most one `eyas:` message, and no config section's values dumped.
 
 Rows found before a stage starts need no Prefect server (PREFECT_API_URL points where nothing answers, so a row that
 wrongly got past its check cannot start one); rows found inside a stage's flow run against the session's server.
@@ -115,6 +116,8 @@ CONFIG_ROWS = [
     ("train", "an old field name", "train", {"train.ttt_steps": 4}, 2, ["train.ttt_steps is now train.num_ttt_steps"]),
     ("train", "a shard cache for local shards", "train", {"train.cache_bytes": 1 << 30}, 2,
      ["train.cache_bytes=1073741824: the shard cache reads shards stored on S3"]),
+    ("train", "a device too small for the plan", "plan", {"train.device_memory_gib": 0.001}, 2,
+     ["training needs 0.1 GiB per device", "fixes: train.activation_checkpointing=true"]),
     ("smoke", "min_loss_drop above 1", "run", {"smoke.min_loss_drop": 1.5}, 2,
      ["smoke.min_loss_drop: found 1.5, expected a value < 1"]),
     ("smoke", "one step", "run", {"smoke.num_steps": 1}, 2, ["smoke.num_steps: found 1, expected a value >= 2"]),
@@ -187,11 +190,15 @@ VERB_ROWS = [
     ("status", "a config with a wrong type", ["status", "{config:train.num_epochs=five}"], {}, 2,
      ["train.num_epochs: found 'five', expected an integer"]),
     ("status", "a config that is not JSON", ["status", "{notjson}"], {}, 2, ["eyas status: config", "not valid JSON"]),
+    ("status", "a directory that is not a run", ["status", "{dir}"], {}, 2,
+     ["{dir}: not an eyas run", "expected a run's workdir"]),
     ("target", "no such path", ["target", "{missing}"], {}, 2,
      ["eyas target {missing}: no such directory; expected a Hugging Face model directory"]),
     ("target", "a directory without config.json", ["target", "{dir}"], {}, 2, ["no config.json"]),
     ("target", "a config.json that is not JSON", ["target", "{badtarget}"], {}, 2,
      ["eyas target: {badtarget}/config.json: not valid JSON (Expecting property name"]),
+    ("target", "config.json's hidden_size not the weights'", ["target", "{wronghidden}"], {}, 2,
+     ["config.json does not describe its weights (hidden_size 256, the weights 128)", "set hidden_size to 128"]),
     ("plan", "a config with a wrong type", ["plan", "{config:train.num_epochs=five}"], {}, 2,
      ["train.num_epochs: found 'five', expected an integer"]),
     ("engine-command", "an unknown stage", ["engine-command", "{preset}", "--stage", "train"], {}, 2,
@@ -235,10 +242,16 @@ def places(tmp_path_factory) -> dict[str, str]:
     (root / "empty.json").write_text("")
     (root / "badtarget").mkdir()
     (root / "badtarget" / "config.json").write_text("{cut")
+    (root / "wronghidden").mkdir()  # the tiny target's weights under a config.json with another hidden_size
+    tiny = REPO / "fixtures" / "tiny-target"
+    (root / "wronghidden" / "config.json").write_text(
+        json.dumps({**json.loads((tiny / "config.json").read_text()), "hidden_size": 256})
+    )
+    (root / "wronghidden" / "model.safetensors").symlink_to(tiny / "model.safetensors")
     return {"dir": str(root / "a dir"), "file": str(root / "a file"), "missing": str(root / "nowhere"),
             "latin1": str(root / "latin1.jsonl"), "notjson": str(root / "notjson.jsonl"),
             "list": str(root / "list.json"), "empty": str(root / "empty.json"),
-            "badtarget": str(root / "badtarget"), "root": str(root)}  # fmt: skip
+            "badtarget": str(root / "badtarget"), "wronghidden": str(root / "wronghidden"), "root": str(root)}  # fmt: skip
 
 
 def fill(text: str, places: dict) -> str:
@@ -308,6 +321,8 @@ def answered_cleanly(result: dict, code: int, words: list[str]) -> str | None:
         return f"words {missing} not in stderr"
     if sum(line.startswith("eyas: ") for line in err.splitlines()) > 1:
         return "more than one eyas: message"
+    if "found {'" in err:
+        return "a whole config section's values in the message"
     return None
 
 

@@ -156,10 +156,9 @@ def describe(err: BaseException, config=None) -> str:
 
         return explain_json_error(err, config)
     if isinstance(err, UnicodeDecodeError):
-        return (
-            f"text that is not UTF-8 ({err.reason} at byte {err.start}: {err.object[err.start : err.start + 8]!r}); "
-            "expected UTF-8: re-encode the file (e.g. `iconv -f LATIN1 -t UTF-8`)"
-        )
+        from eyas_cli.path_errors import explain_unicode_error
+
+        return explain_unicode_error(err, config)
     if isinstance(err, KeyError):
         return str(err.args[0]) if err.args else "missing key"
     text = str(err) or type(err).__name__

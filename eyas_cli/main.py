@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sglang formats: the oldest SGLang release the export must run on (decides the draft options it may carry)",
     )
     for p in (inspect, remap):
-        p.add_argument("--num-target-layers", type=int, help="the target's layer count (layer-id checks)")
+        p.add_argument("--num-target-layers", type=positive_int, help="the target's layer count (layer-id checks)")
         p.add_argument(
             "--target",
             help="the target model's directory or config.json: its layer count and SGLang's numbering (inspect: "
@@ -102,6 +102,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--engine", choices=sorted(ENGINES), help="an engine version that must fill every tensor and run every option"
     )
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (argparse's message names the option and the value)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number above 0")
+    return int(text)
 
 
 def load_config(path: str, workdir: str | None = None):

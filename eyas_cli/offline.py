@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from eyas_cli.errors import UserError
+from eyas_cli.path_errors import blocking_file, explain_read_error
 
 DRAFTER_DIR = "a drafter checkpoint directory (config.json and model.safetensors: an eyas checkpoint or an export)"
 TARGET_DIR = "a Hugging Face model directory (config.json, *.safetensors, the tokenizer)"
@@ -34,7 +35,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             args.path, num_target_layers=args.num_target_layers, engine=args.engine, target=args.target
         )
     except (OSError, ValueError) as err:
-        print(f"eyas inspect: {err}", file=sys.stderr)
+        print(f"eyas inspect: {explain_read_error(err, [args.path, target_dir(args.target) or args.path])}",
+              file=sys.stderr)  # fmt: skip
         return 2
     print(report.text)
     return 0 if report.ok else 1
@@ -53,6 +55,12 @@ def run_remap(args: argparse.Namespace) -> int:
         return 2
     need_directory("eyas remap", args.src, DRAFTER_DIR)
     need_directory("eyas remap --target", target_dir(args.target), TARGET_DIR)
+    blocker = blocking_file(Path(args.dst).absolute())
+    if blocker is not None:
+        raise UserError(
+            f"eyas remap {args.src} {args.dst}: {blocker} is a file; expected a directory to write the converted "
+            "drafter to (created when missing); name another destination, or move the file away"
+        )
     if args.embed_from and not Path(args.embed_from).exists():
         raise UserError(
             f"eyas remap --embed-from {args.embed_from}: no such file or directory; expected the target's directory "
@@ -72,7 +80,8 @@ def run_remap(args: argparse.Namespace) -> int:
             target=args.target,
         )
     except (OSError, ValueError) as err:
-        print(f"eyas remap: {err}", file=sys.stderr)
+        places = [args.src, target_dir(args.target) or args.src, args.embed_from or args.src]
+        print(f"eyas remap: {explain_read_error(err, places)}", file=sys.stderr)
         return 2  # bad input: the source cannot be converted as asked
     print(f"{args.src} -> {out} ({args.to}); key set and shapes checked")
     return 0
@@ -85,10 +94,8 @@ def show_target(args: argparse.Namespace) -> int:
 
     try:
         facts = TargetFacts.read(path).summary()
-    except json.JSONDecodeError as err:
-        from eyas_cli.path_errors import explain_json_error
-
-        print(f"eyas target: {explain_json_error(err, places=[path])}", file=sys.stderr)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        print(f"eyas target: {explain_read_error(err, [path])}", file=sys.stderr)
         return 2
     except (OSError, KeyError, TargetError) as err:
         print(f"eyas target: {err}", file=sys.stderr)

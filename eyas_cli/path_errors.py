@@ -99,24 +99,52 @@ def explain_os_error(err: OSError, config=None) -> str:
     return f"{subject}: {err.strerror}{f' ({code})' if code else ''}{wanted}; {fix}"
 
 
-def json_file_with(doc: str, places) -> Path | None:
-    """The JSON file whose text is `doc` (a JSONDecodeError's document): a file among `places`, or a *.json in a
-    directory among them."""
+def file_holding(data: bytes, places) -> Path | None:
+    """The file whose bytes are `data` (what a JSONDecodeError or UnicodeDecodeError was decoding): a file among
+    `places`, or a *.json in a directory among them."""
     for place in map(Path, places):
         candidates = sorted(place.glob("*.json")) if place.is_dir() else [place] if place.is_file() else []
         for path in candidates:
-            if path.stat().st_size == len(doc.encode()) and path.read_text(errors="replace") == doc:
+            if path.stat().st_size == len(data) and path.read_bytes() == data:
                 return path
     return None
 
 
+def _named_file(data: bytes, config, places) -> str | None:
+    """The file holding `data`, with the config field that names it (or its directory), for a message."""
+    fields = path_fields(config) if config is not None else {}
+    path = file_holding(data, [*fields.values(), *places])
+    if path is None:
+        return None
+    named = owner(path, config)
+    return f"{path}" + (f" (named by {named[0]}={named[1]!r})" if named else "")
+
+
 def explain_json_error(err, config=None, places=()) -> str:
     """A JSONDecodeError told as the file it is in (found among the config's paths and `places`), where, and the fix."""
-    fields = path_fields(config) if config is not None else {}
-    path = json_file_with(err.doc, [*fields.values(), *places])
     where = f"line {err.lineno} column {err.colno}"
-    if path is None:
+    name = _named_file(err.doc.encode(), config, places)
+    if name is None:
         return f"a JSON file is not valid JSON ({err.msg} at {where}); expected valid JSON: fix the file"
-    named = owner(path, config)
-    under = f" (named by {named[0]}={named[1]!r})" if named else ""
-    return f"{path}{under}: not valid JSON ({err.msg} at {where}); expected valid JSON: fix the file, or restore it"
+    return f"{name}: not valid JSON ({err.msg} at {where}); expected valid JSON: fix the file, or restore it"
+
+
+def explain_unicode_error(err: UnicodeDecodeError, config=None, places=()) -> str:
+    """A UnicodeDecodeError told as the file it is in (when found), the byte, and the fix."""
+    found = f"{err.reason} at byte {err.start}: {err.object[err.start : err.start + 8]!r}"
+    name = _named_file(bytes(err.object), config, places) if len(err.object) < 1 << 24 else None
+    return (
+        f"{name or 'a file'}: not UTF-8 text ({found}); expected UTF-8: re-encode the file (e.g. `iconv -f LATIN1 "
+        "-t UTF-8`)"
+    )
+
+
+def explain_read_error(err: BaseException, places=()) -> str:
+    """What a verb that reads files (inspect, remap) says for an error: the file and the fix where one is known."""
+    if type(err).__name__ == "JSONDecodeError" and hasattr(err, "doc"):
+        return explain_json_error(err, places=places)
+    if isinstance(err, UnicodeDecodeError):
+        return explain_unicode_error(err, places=places)
+    if isinstance(err, OSError) and err.filename is not None and len(err.args) > 1:
+        return explain_os_error(err)
+    return str(err)

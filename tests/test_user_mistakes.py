@@ -3,9 +3,10 @@ message naming what is wrong, exit code 2, no traceback, whichever stage finds i
 
 The table below is the test: (what, argv, exit code, words of the message). Config rows name the preset's edits
 (`deployments/tiny-cpu.json`, workdir under the test's directory); {dir}, {file}, {missing}, {latin1}, {notjson},
-{list}, {empty}, {badtarget}, {wronghidden} are a directory, a plain file, a path that does not exist, a JSONL file
-that is not UTF-8, a file that is not JSON, a JSON list, an empty file, a target whose config.json is not JSON and one
-whose config.json gives another hidden size than its weights. Each row runs the real command in its own process (tests/cli_rows.py
+{list}, {empty}, {badtarget}, {wronghidden}, {badjson}, {badtext} are a directory, a plain file, a path that does not
+exist, a JSONL file that is not UTF-8, a file that is not JSON, a JSON list, an empty file, a target whose config.json
+is not JSON, one whose config.json gives another hidden size than its weights, and drafter directories whose
+config.json is not JSON or not UTF-8. Each row runs the real command in its own process (tests/cli_rows.py
 forks one per row from an interpreter that imported the CLI once). Answered cleanly = the exit code, every word in
 stderr, no "Traceback" in stdout or stderr, at most one `eyas:` message, and no config section's values dumped.
 
@@ -49,6 +50,8 @@ CONFIG_ROWS = [
      ["workdir='{file}/run': {file} is a file, expected a directory"]),
     ("target", "no such directory", "plan", {"target.model_path": "{missing}"}, 2,
      ["cannot read the facts of target.model_path='{missing}'", "set target.model_path in the config"]),
+    ("target", "a file", "engine-command", {"target.model_path": "{file}"}, 2,
+     ["target '{file}': no config.json; expected a Hugging Face model directory"]),
     ("target", "a directory without config.json", "plan", {"target.model_path": "{dir}"}, 2,
      ["target.model_path='{dir}'", "no config.json"]),
     ("target", "a config.json that is not JSON", "plan", {"target.model_path": "{badtarget}"}, 2,
@@ -173,15 +176,25 @@ VERB_ROWS = [
      ["eyas inspect: {dir}: neither model.safetensors nor pytorch_model.bin"]),
     ("inspect", "--target that does not exist", ["inspect", "{dir}", "--target", "{missing}"], {}, 2,
      ["eyas inspect --target {missing}: no such directory; expected a Hugging Face model directory"]),
+    ("inspect", "a drafter whose config.json is not JSON", ["inspect", "{badjson}"], {}, 2,
+     ["eyas inspect: {badjson}/config.json: not valid JSON (Expecting property name", "fix the file"]),
+    ("inspect", "a drafter whose config.json is not UTF-8", ["inspect", "{badtext}"], {}, 2,
+     ["eyas inspect: {badtext}/config.json: not UTF-8 text (invalid continuation byte", "re-encode the file"]),
+    ("inspect", "a negative layer count", ["inspect", "{dir}", "--num-target-layers", "-3"], {}, 2,
+     ["argument --num-target-layers: '-3': expected a whole number above 0"]),
     ("inspect", "an unknown engine", ["inspect", "{dir}", "--engine", "sglang-9"], {}, 2, ["invalid choice"]),
     ("inspect", "a layer count as a word", ["inspect", "{dir}", "--num-target-layers", "many"], {}, 2,
-     ["invalid int value: 'many'"]),
+     ["argument --num-target-layers: 'many': expected a whole number above 0"]),
     ("remap", "an unknown format", ["remap", "{dir}", "{missing}", "--to", "onnx"], {}, 2,
      ["eyas remap --to onnx: unknown format; expected one of ['eagle'"]),
     ("remap", "no such source", ["remap", "{missing}", "{root}/out", "--to", "sglang"], {}, 2,
      ["eyas remap {missing}: no such directory; expected a drafter checkpoint directory"]),
     ("remap", "--embed-from that does not exist", ["remap", "{dir}", "{root}/out", "--to", "eyas", "--embed-from",
      "{missing}"], {}, 2, ["eyas remap --embed-from {missing}: no such file or directory"]),
+    ("remap", "a destination under a file", ["remap", "{dir}", "{file}/out", "--to", "sglang"], {}, 2,
+     ["{file} is a file; expected a directory to write the converted drafter to"]),
+    ("remap", "a source whose config.json is not JSON", ["remap", "{badjson}", "{root}/out", "--to", "eyas"], {}, 2,
+     ["eyas remap: {badjson}/config.json: not valid JSON"]),
     ("remap", "an unknown dtype", ["remap", "{dir}", "{missing}", "--to", "sglang", "--dtype", "int8"], {}, 2,
      ["invalid choice: 'int8'"]),
     ("stop", "no such directory", ["stop", "{missing}"], {}, 2,
@@ -242,6 +255,10 @@ def places(tmp_path_factory) -> dict[str, str]:
     (root / "empty.json").write_text("")
     (root / "badtarget").mkdir()
     (root / "badtarget" / "config.json").write_text("{cut")
+    for name, text in (("badjson", b"{cut"), ("badtext", b'{"name": "caf\xe9"}')):  # drafters with a bad config.json
+        (root / name).mkdir()
+        (root / name / "config.json").write_bytes(text)
+        (root / name / "model.safetensors").symlink_to(REPO / "fixtures" / "tiny-target" / "model.safetensors")
     (root / "wronghidden").mkdir()  # the tiny target's weights under a config.json with another hidden_size
     tiny = REPO / "fixtures" / "tiny-target"
     (root / "wronghidden" / "config.json").write_text(
@@ -251,7 +268,8 @@ def places(tmp_path_factory) -> dict[str, str]:
     return {"dir": str(root / "a dir"), "file": str(root / "a file"), "missing": str(root / "nowhere"),
             "latin1": str(root / "latin1.jsonl"), "notjson": str(root / "notjson.jsonl"),
             "list": str(root / "list.json"), "empty": str(root / "empty.json"),
-            "badtarget": str(root / "badtarget"), "wronghidden": str(root / "wronghidden"), "root": str(root)}  # fmt: skip
+            "badtarget": str(root / "badtarget"), "wronghidden": str(root / "wronghidden"), "badjson": str(root / "badjson"),
+            "badtext": str(root / "badtext"), "root": str(root)}  # fmt: skip
 
 
 def fill(text: str, places: dict) -> str:

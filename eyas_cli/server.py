@@ -32,17 +32,30 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def start_server(api_url: str, state_dir: Path, wait_s: float = 120.0) -> subprocess.Popen:
-    """Start `prefect server start` detached (it outlives this command); wait until healthy."""
-    host, port = api_url.split("//")[1].split("/")[0].split(":")
-    state_dir.mkdir(parents=True, exist_ok=True)
+# How long the server keeps a crash-detection window that ended without being evaluated (Prefect's default: 60 s).
+# A server restarted later than that after the runs' machine died (eyas's own server dies with it) dropped their
+# windows before evaluating them, and the runs stayed Running; kept, they are marked Crashed at the restart.
+EXPIRED_BUCKET_BUFFER = "P1D"
+
+
+def server_environment(state_dir: Path, port: str) -> dict[str, str]:
+    """The environment of the Prefect server eyas starts (its own settings win over the caller's)."""
     env = {
         **os.environ,
         "PREFECT_HOME": str(state_dir),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_PORT": port,  # the UI finds the API through this, not through --port
+        "PREFECT_SERVER_EVENTS_EXPIRED_BUCKET_BUFFER": EXPIRED_BUCKET_BUFFER,
     }
     env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def start_server(api_url: str, state_dir: Path, wait_s: float = 120.0) -> subprocess.Popen:
+    """Start `prefect server start` detached (it outlives this command); wait until healthy."""
+    host, port = api_url.split("//")[1].split("/")[0].split(":")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    env = server_environment(state_dir, port)
     log = open(state_dir / "server.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", port],

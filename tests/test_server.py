@@ -73,3 +73,22 @@ def test_prefect_api_url_is_used_when_set_and_must_answer(other_server, tmp_path
     monkeypatch.setenv("PREFECT_API_URL", other_server.replace("/api", "/nothing"))
     with pytest.raises(UserError, match="does not answer /health"):
         ensure_server(tmp_path)
+
+
+def test_the_server_eyas_starts_keeps_windows_that_ended_while_it_was_down(tmp_path, monkeypatch):
+    """Prefect drops a crash-detection window 60 s after it ended when it was not evaluated: a server restarted
+    later than that after the runs' machine died left them Running (0 of 4 Crashed; with a day, 4 of 4 at the
+    restart). Prefect must read the value eyas sets as a day."""
+    from datetime import timedelta
+
+    from prefect.settings.models.server.events import ServerEventsSettings
+
+    from eyas_cli.server import server_environment
+
+    monkeypatch.setenv("PREFECT_SERVER_EVENTS_EXPIRED_BUCKET_BUFFER", "PT60S")
+    env = server_environment(tmp_path, "4200")
+    monkeypatch.setenv(
+        "PREFECT_SERVER_EVENTS_EXPIRED_BUCKET_BUFFER", env["PREFECT_SERVER_EVENTS_EXPIRED_BUCKET_BUFFER"]
+    )
+    assert ServerEventsSettings().expired_bucket_buffer == timedelta(days=1)
+    assert "PREFECT_API_URL" not in env and env["PREFECT_HOME"] == str(tmp_path)

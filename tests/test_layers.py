@@ -36,6 +36,7 @@ LIBRARY_RANKS = {
     "eyas.train": 4,
     "eyas.gate": 5,
     "eyas.export": 5,
+    "eyas.run_inputs": 5.5,  # every stage's inputs checked before the first (reads the stages' own readers)
     "eyas.bench": 6,
     "eyas.status": 7,
 }

@@ -263,13 +263,13 @@ def _untrainable(path: str, mtime_ns: int, size: int, num_samples: int, response
 
 def bench_prompt_problems(config: RunConfig) -> list[str]:
     """bench.prompts_path read as the benchmark reads it (eyas.dataset.prompts.read_prompts)."""
-    from eyas.dataset.prompts import read_prompts
+    from eyas.dataset.prompts import DatasetError, read_prompts
 
     path = config.bench.prompts_path
     try:
         read_prompts(path, config.bench.num_prompts)
-    except UnicodeDecodeError as err:
-        return [f"bench.prompts_path={path!r}: not UTF-8 text ({err}), expected JSONL in UTF-8; re-encode the file"]
+    except DatasetError as err:  # read_prompts names the line, what it expected and the fix
+        return [f"bench.prompts_path={path!r}: {err}"]
     except (OSError, ValueError) as err:
         return [
             f"bench.prompts_path={path!r}: {err}; expected JSONL rows {{id, conversations: [{{role, content}}, ...]}} "

@@ -5,7 +5,7 @@
 |---|---|---|---|
 | bench.prompts_path missing | all | 2 | `bench.prompts_path=...: no such file, expected held-out prompts JSONL` |
 | bench.prompts_path a directory | bench | 2 | `a directory, expected held-out prompts JSONL (a file)` |
-| bench prompts not JSON | bench | 2 | `bench.prompts_path=...`, `expected JSONL rows` |
+| bench prompts not JSON | bench | 2 | `bench.prompts_path=...`, `heldout.jsonl:1: not a JSON object` |
 | dataset.prompts_path missing / a directory | dataset | 2 | `dataset.prompts_path=...: no such file` / `a directory` |
 | dataset prompts with invalid UTF-8 | dataset | 2 | `:2: not UTF-8 text`, `re-encode the file` |
 | dataset prompts with a JSON list for a row | dataset | 2 | `:1: a JSON list, expected an object` |
@@ -189,7 +189,7 @@ TABLE = [
     ("bench prompts a directory", _dir_bench, ["bench"], None,
      ["bench.prompts_path=", "a directory, expected held-out prompts JSONL (a file); name the file itself"]),
     ("bench prompts not JSON", _not_json_bench, ["bench"], None,
-     ["bench.prompts_path=", "expected JSONL rows {id, conversations"]),
+     ["bench.prompts_path=", "heldout.jsonl:1: not a JSON object", "expected one prompt row a line"]),
     ("prompts missing", _missing_prompts, ["dataset"], None,
      ["dataset.prompts_path=", "chats.jsonl'", "no such file, expected JSONL or Parquet of conversations"]),
     ("prompts a directory", _dir_prompts, ["dataset"], None, ["dataset.prompts_path=", "a directory, expected JSONL"]),

@@ -119,6 +119,14 @@ def dir_problem(name: str, path: str | Path, fix: str) -> str | None:
 def path_problems(config: RunConfig, stages) -> list[str]:
     """The paths every stage of `stages` reads or writes, except the target's (read_target)."""
     problems = [dir_problem("workdir", config.workdir, "choose a directory for the run's outputs")]
+    paths = config.paths
+    for folder in (paths.dataset_dir, paths.shards_dir, paths.smoke_dir, paths.train_dir, paths.export_dir,
+                   paths.bench_dir):  # fmt: skip
+        if folder.exists() and not folder.is_dir():
+            problems.append(
+                f"workdir={config.workdir!r}: {folder} is a file, expected the directory a stage writes its outputs "
+                "in; move or remove that file, or choose another workdir"
+            )
     if "dataset" in stages:
         problems.append(file_problem("dataset.prompts_path", config.dataset.prompts_path,
                                      "JSONL or Parquet of conversations"))  # fmt: skip

@@ -15,6 +15,7 @@
 | train.num_processes 64, gloo, 2 usable cores | train | 2 | `train.num_processes=64 ... 2 CPU core(s) ... lower train.num_processes to 2` |
 | train.num_processes 8, nccl, torch sees 2 GPUs / none | train | 2 | `torch sees 2 GPU(s)` / `no CUDA device is visible` |
 | workdir is a file, or under one | all | 2 | `workdir=...: a file (... on the way is a file), expected a directory` |
+| workdir/dataset is a file | all | 2 | `.../dataset is a file, expected the directory a stage writes its outputs in` |
 | target.model_path missing / a file / without config.json | all | 2 | `no such directory` / `a file` / `no config.json` |
 | sglang.python missing with bench.engine sglang | bench | 2 | `sglang.python=...: no such file` |
 | train alone: no vocab mapping / one of other sizes | train | 2 | `run \\`eyas dataset CONFIG\\`` |
@@ -140,6 +141,13 @@ def _workdir_under_file(t):
     return tiny(t).model_copy(update={"workdir": str(t / "afile" / "run")})
 
 
+def _stage_dir_file(t):
+    config = tiny(t)
+    config.paths.root.mkdir(parents=True)
+    config.paths.dataset_dir.write_text("x")
+    return config
+
+
 def _target_missing(t):
     return tiny(t, target={"model_path": str(t / "no-target")})
 
@@ -214,6 +222,8 @@ TABLE = [
      ["no CUDA device is visible to torch", "or use train.backend='gloo' on CPU"]),
     ("workdir a file", _workdir_file, STAGES, None, ["workdir=", "afile': a file, expected a directory"]),
     ("workdir under a file", _workdir_under_file, STAGES, None, ["workdir=", "afile on the way is a file"]),
+    ("a stage's folder in the workdir a file", _stage_dir_file, STAGES, None,
+     ["workdir=", "run/dataset is a file, expected the directory a stage writes its outputs in"]),
     ("target missing", _target_missing, STAGES, None,
      ["target.model_path=", "no-target': no such directory, expected a Hugging Face model directory"]),
     ("target a file", _target_file, STAGES, None, ["target.model_path=", "config.json': a file, expected a Hugging"]),

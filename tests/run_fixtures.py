@@ -120,6 +120,24 @@ def small_run_config(workdir: Path, tiny: Path, **sections):
     return base.model_copy(update={"workdir": str(workdir), **update})
 
 
+def regeneration_config(workdir: Path, tiny: Path, *, num_samples: int, max_new_tokens: int, **generation):
+    """The tiny preset whose dataset stage regenerates `num_samples` of the tiny target's prompts with
+    `dataset.generation` updated by `generation` (generator, server_urls, ...)."""
+    from eyas.config import load_run_config
+
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    dataset = base.dataset.model_copy(
+        update={
+            "prompts_path": str(tiny / "prompts.jsonl"),
+            "num_samples": num_samples,
+            "max_new_tokens": max_new_tokens,
+            "generation": base.dataset.generation.model_copy(update=generation),
+        }
+    )
+    target = base.target.model_copy(update={"model_path": str(tiny)})
+    return base.model_copy(update={"workdir": str(workdir), "target": target, "dataset": dataset})
+
+
 def gated_run_config(workdir: Path, tiny: Path, *, num_samples: int, timeout_s: int = 120):
     """The tiny preset in `workdir` holding a tokenized table of `num_samples` samples: what a run holds when it
     reaches the approval gate (answered within `timeout_s`)."""

@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from generation_double import MODEL_NAME, start
+from run_fixtures import regeneration_config
 
-from eyas.config import load_run_config
 from eyas.dataset.build import build_dataset, dataset_cache_key
 from eyas.dataset.generate import ResponseLog
 from eyas.dataset.prompts import DatasetError
@@ -33,17 +33,7 @@ def free_port() -> int:
 
 
 def run_config(tmp_path: Path, tiny: Path, name: str, **generation):
-    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
-    dataset = base.dataset.model_copy(
-        update={
-            "prompts_path": str(tiny / "prompts.jsonl"),
-            "num_samples": NUM_PROMPTS,
-            "max_new_tokens": 12,
-            "generation": base.dataset.generation.model_copy(update=generation),
-        }  # fmt: skip
-    )
-    target = base.target.model_copy(update={"model_path": str(tiny)})
-    return base.model_copy(update={"workdir": str(tmp_path / name), "target": target, "dataset": dataset})
+    return regeneration_config(tmp_path / name, tiny, num_samples=NUM_PROMPTS, max_new_tokens=12, **generation)
 
 
 def table(config) -> list[tuple]:

@@ -16,14 +16,13 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 import pytest
+from run_fixtures import regeneration_config
 
-from eyas.config import load_run_config
 from eyas.dataset.build import build_dataset, dataset_cache_key
 from eyas.dataset.generate import ResponseLog
 from eyas.dataset.prompts import DatasetError
 from eyas.dataset.served import BREAKER_FAILURES
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_PROMPTS = 6
 MORE_PROMPTS = BREAKER_FAILURES + 4  # enough for the circuit breaker to open before the prompts run out
 
@@ -75,17 +74,7 @@ def served(tiny_target_dir, tmp_path_factory):
 
 
 def run_config(tmp_path: Path, tiny: Path, name: str, num_samples: int, **generation):
-    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
-    dataset = base.dataset.model_copy(
-        update={
-            "prompts_path": str(tiny / "prompts.jsonl"),
-            "num_samples": num_samples,
-            "max_new_tokens": 8,
-            "generation": base.dataset.generation.model_copy(update=generation),
-        }
-    )
-    target = base.target.model_copy(update={"model_path": str(tiny)})
-    return base.model_copy(update={"workdir": str(tmp_path / name), "target": target, "dataset": dataset})
+    return regeneration_config(tmp_path / name, tiny, num_samples=num_samples, max_new_tokens=8, **generation)
 
 
 def served_config(tmp_path, tiny, name, url, num_samples=NUM_PROMPTS, **generation):

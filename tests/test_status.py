@@ -420,9 +420,11 @@ def test_status_verb_prints_markdown_by_default(tmp_path, capsys, monkeypatch):
     assert out.startswith("# Run `tiny-cpu`") and "| extract | partial | 4 of 6 shards" in out
 
 
-def test_status_verb_refuses_a_path_that_is_neither_config_nor_workdir(tmp_path, capsys):
+def test_status_verb_refuses_a_path_that_is_neither_config_nor_workdir(tmp_path, capsys, monkeypatch):
     from eyas_cli.main import main
 
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # no server to ask: the path alone is refused
+    monkeypatch.setenv("EYAS_STATE_DIR", str(tmp_path / "state"))
     assert main(["status", str(tmp_path / "nowhere")]) == 2
     assert "neither a run config (a JSON RunConfig" in capsys.readouterr().err
 

@@ -95,7 +95,8 @@ def _free_port() -> int:
 def prefect_server(tmp_path_factory):
     """A real local Prefect server (SQLite) on a free loopback port, for flow tests.
 
-    PREFECT_API_URL is set before any test imports `prefect`; flow tests import it inside the test.
+    PREFECT_API_URL and PREFECT_HOME are set in this process's environment, and prefect's settings are read again if
+    a collected module imported it already, so every in-process client talks to this server.
     """
     import os
     import subprocess
@@ -135,6 +136,10 @@ def prefect_server(tmp_path_factory):
         time.sleep(0.5)
     os.environ["PREFECT_API_URL"] = url
     os.environ["PREFECT_HOME"] = str(home)
+    if "prefect.context" in sys.modules:
+        # a module collected earlier imported prefect, whose settings were read then (no API URL, so its clients
+        # would start a temporary server of their own): read them again from the environment just set
+        sys.modules["prefect.context"].refresh_global_settings_context()
     yield url
     proc.terminate()
     proc.wait(timeout=30)

@@ -113,6 +113,18 @@ def test_the_window_comes_from_the_environment_and_a_bad_one_is_refused(monkeypa
             crash_window_s()
 
 
+def test_in_process_clients_talk_to_the_suites_server(prefect_server):
+    """Collection imports prefect (tests/test_progress.py imports tasks.reporting) before the server starts: the
+    fixture makes prefect read its settings again, or these clients would start a temporary server of their own."""
+    import sys
+
+    from prefect.client.orchestration import get_client
+
+    assert "prefect" in sys.modules
+    with get_client(sync_client=True) as client:
+        assert str(client.api_url).rstrip("/") == prefect_server
+
+
 def test_a_beat_followed_by_the_gates_event_is_not_marked_crashed(prefect_server, installed):
     """Two runs beat once; one then sends the gate's event (tasks.gate.announce_suspension): after the window
     only the other is Crashed."""

@@ -435,6 +435,14 @@ class TrainConfig(StrictModel):
         "as torch reports it); 0 = CUDA runs are planned against the devices the preflight finds, CPU runs against "
         "the host's available memory shared by train.num_processes",
     )
+    prefetch_steps: int = Field(
+        default=1,
+        ge=0,
+        le=2,
+        description="steps of input a background thread reads, decodes and collates (pinned on CUDA) ahead of the "
+        "step that trains: host memory up to (this + 1) steps of a rank's collated share; 0 = read each step's "
+        "input in the training loop (the same batches, the same weights)",
+    )
     collective_timeout_s: int = Field(
         default=3600,
         ge=60,

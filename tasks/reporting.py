@@ -108,6 +108,8 @@ class StageProgress:
             parts.append(f"est. tau {info['tau_estimate']:.2f}")
         if info.get("tokens_per_s") is not None:
             parts.append(f"{info['tokens_per_s']:,.1f} tokens/s")
+        if info.get("data_stall_fraction") is not None:  # the share of the step spent waiting for its input
+            parts.append(f"data stall {info['data_stall_fraction']:.1%}")
         if info.get("eta_s") is not None:
             parts.append(f"ETA {info['eta_s']:.0f} s")
         return "; ".join(parts)

@@ -120,6 +120,7 @@ def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
                     "acc_k": record["acc_k"],
                     "tau_estimate": latest_eval.get("tau_estimate"),
                     "tokens_per_s": record.get("tokens_per_s"),
+                    "data_stall_fraction": record.get("data_stall_fraction"),
                 }
             )
 

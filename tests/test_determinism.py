@@ -15,6 +15,7 @@ import pytest
 from run_fixtures import REPO, tiny_job, write_tiny_run
 
 TIMING_FIELDS = {"elapsed_s", "tokens_per_s", "samples_per_s", "seconds", "step_s"}
+TIMING_FIELDS |= {"data_wait_s", "data_stall_fraction"}  # the input pipeline's wait per step
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:

@@ -1,5 +1,6 @@
 """The trainer's metric file (eyas.train.metrics): a line a kill cut short is reported and cut, so appends go on
-from a clean line; records lost before the checkpoint a run resumes from are reported as a gap."""
+from a clean line; records lost before the checkpoint a run resumes from are reported as a gap; each record holds
+the step's wait for its input, which TensorBoard shows too."""
 
 from __future__ import annotations
 
@@ -69,3 +70,20 @@ def test_trainer_started_over_a_torn_metric_file_says_so_and_appends_on_a_clean_
     assert [r["step"] for r in metrics] == [1, 2, 3]
     assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1, 2, 3]
     assert scan_metrics(out / METRICS_FILE)[1] == []
+    assert all(r["data_wait_s"] >= 0 and 0 <= r["data_stall_fraction"] <= 1 for r in metrics)
+
+
+def test_tensorboard_shows_the_steps_wait_for_its_input(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from eyas.train.tensorboard import TB_DIR, TensorBoardLog
+
+    log = TensorBoardLog(tmp_path, resumed_step=0)
+    for step in (1, 2):
+        log.add({"step": step, "loss": 1.0, "loss_k": [1.0], "acc_k": [0.5], "lr": 1e-3, "grad_norm": 1.0,
+                 "data_wait_s": 0.25 * step, "data_stall_fraction": 0.125 * step})  # fmt: skip
+    log.close()
+    events = EventAccumulator(str(tmp_path / TB_DIR))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/data_wait_s")] == [0.25, 0.5]
+    assert [e.value for e in events.Scalars("train/data_stall_fraction")] == [0.125, 0.25]

@@ -1,5 +1,5 @@
 """tasks.reporting.StageProgress: a rich bar on a terminal; elsewhere a log line at most every 30 s, with the
-figures the stage gives (step/total, loss, accuracy, estimated tau, tokens/s, ETA), against a real server."""
+figures the stage gives (step/total, loss, accuracy, estimated tau, tokens/s, data stall, ETA), against a real server."""
 
 from __future__ import annotations
 
@@ -43,11 +43,14 @@ def test_without_a_terminal_a_line_every_30_seconds_and_the_last(prefect_server,
                     "acc_k": [0.5, 0.25],
                     "tau_estimate": 1.8 if step > 10 else None,
                     "tokens_per_s": 1234.5,
+                    "data_stall_fraction": 0.0123,
                 }
             )
     lines = progress_lines(caplog)
     assert len(lines) == 5  # steps 1, 31, 61, 91 and the last
-    assert lines[1] == ("training; step 31/100; loss 4.6900; acc 0.50/0.25; est. tau 1.80; 1,234.5 tokens/s; ETA 69 s")
+    assert lines[1] == (
+        "training; step 31/100; loss 4.6900; acc 0.50/0.25; est. tau 1.80; 1,234.5 tokens/s; data stall 1.2%; ETA 69 s"
+    )
     assert lines[-1].startswith("training; step 100/100;") and lines[-1].endswith("ETA 0 s")
     assert progress.bar_task is None  # no bar drawn into a log
 

@@ -3,7 +3,7 @@
     enc = ShardEncoding(aux_dtype="float8_e4m3", teacher="topk", teacher_topk=32, dtype="float16")
     enc.bytes_per_token(hidden_size=7168, num_aux=3)      # 21,717 (bfloat16 + last_hidden: 57,353)
     tensors = {**encode_aux(aux, enc, num_aux=3), **encode_teacher(teacher, enc)}
-    aux = decode_aux(stored, enc, num_aux=3)              # float32 [t, 3*7168], no copy on disk
+    aux = decode_aux(stored, enc, num_aux=3)              # float32 [t, 3*7168] (or [b, t, 3*7168]), where it lies
 
 Aux (`aux_hidden_states` [T, n_aux*H]):
 - float32 | bfloat16 | float16: the values in that dtype.
@@ -139,14 +139,15 @@ def encode_aux(aux: torch.Tensor, enc: ShardEncoding, *, num_aux: int) -> dict[s
 
 
 def decode_aux(stored: dict[str, torch.Tensor], enc: ShardEncoding, *, num_aux: int) -> torch.Tensor:
-    """Aux states [t, n_aux*H] from their stored form: float8 values times their scales (as float32), else as
-    stored."""
+    """Aux states [..., n_aux*H] from their stored form: float8 values [..., n_aux*H] times their scales
+    [..., n_aux] (as float32, on the values' device), else as stored. A sample [t, ...] and a batch [b, t, ...]
+    decode alike, element by element the same values."""
     values = stored["aux_hidden_states"]
     if enc.aux_dtype != "float8_e4m3":
         return values
-    t = values.shape[0]
+    lead = values.shape[:-1]
     scales = stored["aux_scales"].float()
-    return (values.float().reshape(t, num_aux, -1) * scales[..., None]).reshape(t, -1)
+    return (values.float().reshape(*lead, num_aux, -1) * scales[..., None]).reshape(*lead, -1)
 
 
 def encode_teacher(teacher: "torch.Tensor | TopK", enc: ShardEncoding) -> dict[str, torch.Tensor]:

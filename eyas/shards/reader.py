@@ -13,7 +13,8 @@ must agree with its manifest row and with the first shard's run-wide fields; its
 manifest's `num_bytes`, and with `verify_reads` its XXH3 checksum the manifest's `checksum` (one read of the
 file, on first open), so a shard damaged after verification is refused, named, before a step trains on it.
 A sample is read as memory-mapped slices, never a whole shard; float8 aux states are decoded (times their
-scales, eyas.shards.encoding.decode_aux) as they are read, into float32. With `cache_bytes` > 0 the shards
+scales, eyas.shards.encoding.decode_aux) as they are read, into float32, or handed on as stored with
+`decoded=False` (the trainer decodes them on its device). With `cache_bytes` > 0 the shards
 are read from a storage (S3, or any eyas.storage) through a bounded local cache (eyas.shards.cache), whose
 fetches are checked against the manifest checksum; without, they are the files of a local directory.
 """
@@ -21,6 +22,7 @@ fetches are checked against the manifest checksum; without, they are the files o
 from __future__ import annotations
 
 import bisect
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,6 +107,7 @@ class ShardSamples:
         self.num_samples = max_samples or total
         self._offsets: dict[int, torch.Tensor] = {}
         self._checked: set[int] = set()
+        self._read_lock = threading.Lock()  # the input pipeline's thread and the loop's evaluation both read
         with self._opened(0) as path, safe_open(path, framework="pt") as f:
             self.meta = self._parse(0, f)
         self._feature_names = [n for n in self.meta.tensor_names() if n not in BASE_TENSOR_NAMES]
@@ -209,9 +212,15 @@ class ShardSamples:
             self._offsets[shard] = offsets
         return self._offsets[shard]
 
-    def load_sample(self, index: int) -> dict[str, torch.Tensor | int]:
+    def load_sample(self, index: int, *, decoded: bool = True) -> dict[str, torch.Tensor | int]:
         """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH] (decoded), and the teacher:
-        last_hidden [T, H], or topk_ids and topk_logprobs [T, K]."""
+        last_hidden [T, H], or topk_ids and topk_logprobs [T, K]. `decoded=False` leaves float8 aux as stored,
+        with their aux_scales [T, n_aux], for decode_aux where the batch lies (eyas.train.input_pipeline).
+        Safe to call from several threads (one read at a time)."""
+        with self._read_lock:
+            return self._load_sample(index, decoded)
+
+    def _load_sample(self, index: int, decoded: bool) -> dict[str, torch.Tensor | int]:
         shard, local = self.locate(index)
         with self._opened(shard) as path, safe_open(path, framework="pt") as f:
             offsets = self._shard_offsets(shard, f)
@@ -224,7 +233,12 @@ class ShardSamples:
             a, b = int(offsets[local]), int(offsets[local + 1])
             stored = {name: f.get_slice(name)[a:b] for name in self._feature_names}
             sample: dict = {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")}
-        sample["aux_hidden"] = decode_aux(stored, self.meta.encoding, num_aux=self.meta.num_aux)
+        if decoded:
+            sample["aux_hidden"] = decode_aux(stored, self.meta.encoding, num_aux=self.meta.num_aux)
+        else:
+            sample["aux_hidden"] = stored["aux_hidden_states"]
+            if "aux_scales" in stored:
+                sample["aux_scales"] = stored["aux_scales"]
         sample.update({key: stored[name] for name, key in TEACHER_KEYS.items() if name in stored})
         sample["sample_index"] = index
         return sample

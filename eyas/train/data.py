@@ -108,9 +108,12 @@ def rank_schedule(
     return out
 
 
-def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str, torch.Tensor]:
+def collate(
+    samples: list[dict], max_len: int, *, min_len: int = 0, pin_memory: bool = False
+) -> dict[str, torch.Tensor]:
     """Right-pad samples (each cut to max_len tokens) into one batch of at least `min_len` columns;
-    `valid` marks real tokens, padding has loss_mask 0."""
+    `valid` marks real tokens, padding has loss_mask 0 (float8 aux and their scales pad with zeros, which decode
+    to zeros). `pin_memory` puts the batch in page-locked memory (CUDA only), for copies that do not block."""
     if not samples:
         raise ValueError("collate: no samples; expected at least one")
     lengths = [min(int(s["input_ids"].shape[0]), max_len) for s in samples]
@@ -118,11 +121,12 @@ def collate(samples: list[dict], max_len: int, *, min_len: int = 0) -> dict[str,
     batch = {}
     for key in [k for k, v in samples[0].items() if isinstance(v, torch.Tensor)]:
         first = samples[0][key]
-        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype)
+        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype, pin_memory=pin_memory)
         for row, (s, n) in enumerate(zip(samples, lengths)):
             out[row, :n] = s[key][:n]
         batch[key] = out
-    batch["valid"] = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    batch["valid"] = valid.pin_memory() if pin_memory else valid
     return batch
 
 

@@ -2,7 +2,9 @@
 
 Rank 0 appends each record to `output_dir/metrics.jsonl` and prints it to stdout as
 `EYAS_METRIC {...}`, which the train task reads from torchrun's output to show progress. Keys: step,
-epoch, samples_consumed, loss, loss_k, acc_k, lr, grad_norm, num_tokens, elapsed_s, sample_ids.
+epoch, samples_consumed, loss, loss_k, acc_k, lr, grad_norm, num_tokens, elapsed_s, sample_ids, and the input's
+stall: data_wait_s (seconds the step waited for its input, eyas.train.input_pipeline) and data_stall_fraction
+(that wait over the step's wall time, from asking for the input to the reduced stats).
 A run first cuts the file back to the checkpoint it resumed from (`truncate_metrics`): the steps
 after it are trained again, so the file holds exactly one record per step after any number of resumes.
 A line that is not a record (a write a kill cut short) is reported and cut there, so that appends go on

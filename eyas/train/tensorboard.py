@@ -4,7 +4,8 @@
 
 Scalars per optimizer step (the metric record, eyas.train.metrics): train/loss, train/loss_k/{k},
 train/acc_k/{k} (position k + 1), train/lr, train/grad_norm, train/tokens_per_s, train/padding_waste (tokens padded
-/ tokens computed), train/micro_batches, on CUDA train/peak_memory_bytes; and at each held-out
+/ tokens computed), train/micro_batches, train/data_wait_s and train/data_stall_fraction (the step's wait for its
+input), on CUDA train/peak_memory_bytes; and at each held-out
 evaluation eval/loss, eval/acc_k/{k}, eval/tau_estimate. The files are TensorBoard's own event format, which
 W&B (`wandb sync --sync-tensorboard`) and MLflow import as they are. A resumed run purges the events from the
 first step it trains again (SummaryWriter's purge_step), so every step is shown once after any resume.
@@ -35,7 +36,9 @@ class TensorBoardLog:
             w.add_scalar(f"train/loss_k/{k}", v, step)
         for k, v in enumerate(record["acc_k"]):
             w.add_scalar(f"train/acc_k/{k}", v, step)
-        for key in ("lr", "grad_norm", "tokens_per_s", "padding_waste", "micro_batches", "peak_memory_bytes"):
+        scalars = ("lr", "grad_norm", "tokens_per_s", "padding_waste", "micro_batches", "data_wait_s",
+                   "data_stall_fraction", "peak_memory_bytes")  # fmt: skip
+        for key in scalars:
             if key in record:  # the peak is measured on CUDA only
                 w.add_scalar(f"train/{key}", record[key], step)
         evaluated = record.get("eval")

@@ -8,7 +8,10 @@ frozen embed_tokens, which every rank holds in the training dtype. `train.parall
 FSDP2 (sharded; eyas.train.parallel). Learning rate: linear warmup from lr/num_warmup_steps to lr over
 `num_warmup_steps` steps, then cosine decay towards 0 at the last step.
 
-Rank 0 appends one metric record per step (eyas.train.metrics). Checkpoints go to
+A rank's next steps are read, collated and pinned (on CUDA) in a background thread, `train.prefetch_steps` ahead,
+while the current one trains, then copied to the device without blocking, float8 aux decoded there
+(eyas.train.input_pipeline; 0 reads in the loop, to the same weights). Rank 0 appends one metric record per step
+(eyas.train.metrics), with the seconds the step waited for its input. Checkpoints go to
 `output_dir/checkpoints/` every `save_every_steps` and at the end (eyas.train.checkpoint); a re-run
 resumes from the newest complete one whose files match the checksums of its COMPLETE record (a damaged one is set
 aside, and the log names its file and the older checkpoint taken instead: eyas.train.checkpoint_fallback), on any
@@ -47,17 +50,9 @@ from eyas.train.checkpoint import (
 from eyas.train.checkpoint_copy import copy_checkpoint, open_copy_store, rotate_copies, sync_at_start
 from eyas.train.checkpoint_fallback import resume_checkpoint
 from eyas.train.checkpoint_verify import CheckpointError
-from eyas.train.data import (
-    TrainSplit,
-    batch_at,
-    collate,
-    padded_length,
-    rank_schedule,
-    rank_slice,
-    split_micro_batches,
-    total_steps,
-)
+from eyas.train.data import TrainSplit, rank_schedule, rank_slice, total_steps
 from eyas.train.evaluate import EVAL_KEYS, add_stats, summarize_eval
+from eyas.train.input_pipeline import InputPipeline, RankSteps, host_micro_batches, to_device
 from eyas.train.metrics import emit_metrics, truncate_metrics
 from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, parallelize, reshard
 from eyas.train.setup import TrainSetup, build_setup, micro_batch_budget, sample_windows
@@ -176,26 +171,22 @@ class Trainer:
             log(self.ctx, (done or f"checkpoint copy {self.copy_store.url}: nothing to restore or to copy") + seconds)
         dist.barrier()  # the other ranks resume from what rank 0 restored
 
-    def next_batch(self) -> tuple[int, list[int], list[dict]]:
-        """(epoch, global batch ids, this rank's share in micro-batches on the device) after `consumed` samples."""
-        t = self.train_config
-        epoch, positions = batch_at(self.consumed, self.num_train, t.global_batch_size, t.seed, self.windows)
-        ids = [self.split.train_ids[i] for i in positions]
-        mine = [self.setup.samples.load_sample(i) for i in rank_slice(ids, self.ctx.rank, self.ctx.world)]
-        # ttt_loss needs more columns than TTT steps; padding is masked out, so this changes no result.
-        return epoch, ids, self.micro_batches(mine, min_len=t.num_ttt_steps + 1)
-
     def micro_batches(self, samples: list[dict], min_len: int) -> list[dict]:
-        """Samples collated into micro-batches of at most `micro_batch_tokens` padded tokens, on the device."""
-        max_len = self.job.draft.max_position_embeddings
-        lengths = [padded_length(int(s["input_ids"].shape[0]), max_len, min_len) for s in samples]
-        return [
-            {
-                k: v.to(self.ctx.device)
-                for k, v in collate([samples[i] for i in group], max_len, min_len=min_len).items()
-            }
-            for group in split_micro_batches(lengths, self.micro_batch_tokens)
-        ]
+        """Samples (aux as stored) in micro-batches on the device, aux decoded there (the held-out evaluation)."""
+        meta, pin = self.setup.samples.meta, self.ctx.device.type == "cuda"
+        batches = host_micro_batches(samples, max_len=self.job.draft.max_position_embeddings, min_len=min_len,
+                                     micro_batch_tokens=self.micro_batch_tokens, pin_memory=pin)  # fmt: skip
+        return [to_device(b, self.ctx.device, meta.encoding, num_aux=meta.num_aux) for b in batches]
+
+    def input_pipeline(self) -> InputPipeline:
+        """This rank's steps from the resumed position to the last, train.prefetch_steps ahead."""
+        t, meta, device = self.train_config, self.setup.samples.meta, self.ctx.device
+        steps = RankSteps(self.setup.samples, self.split.train_ids, t, self.windows, self.ctx.rank, self.ctx.world,
+                          max_len=self.job.draft.max_position_embeddings, micro_batch_tokens=self.micro_batch_tokens,
+                          pin_memory=device.type == "cuda")  # fmt: skip
+        positions = range(self.consumed, self.last_step * t.global_batch_size, t.global_batch_size)
+        return InputPipeline(steps, positions, depth=t.prefetch_steps, device=device, encoding=meta.encoding,
+                             num_aux=meta.num_aux)  # fmt: skip
 
     def saves_now(self) -> bool:
         return self.step % self.train_config.save_every_steps == 0 or self.step == self.last_step
@@ -221,7 +212,7 @@ class Trainer:
                 mine = rank_slice(ids, rank, world) if len(ids) >= world else ids[rank : rank + 1]
                 # fewer held-out samples than ranks: a rank without one still runs the forward (FSDP2's
                 # collectives need every rank) on the batch's first sample, and counts nothing of it
-                samples = [self.setup.samples.load_sample(i) for i in mine or ids[:1]]
+                samples = [self.setup.samples.load_sample(i, decoded=False) for i in mine or ids[:1]]
                 for batch in self.micro_batches(samples, min_len=num_steps + 1):
                     stats = self.model(batch, num_steps, self.job.chain_steps)
                     if not mine:
@@ -236,21 +227,26 @@ class Trainer:
         summed = dict(zip(EVAL_KEYS, flat.split(sizes)))
         return summarize_eval(summed, self.job.chain_steps, t.ttt_decay, t.num_ttt_steps)
 
-    def train_one_step(self, start: float) -> dict:
+    def train_one_step(self, start: float, pipeline: InputPipeline) -> dict:
         t = self.train_config
-        epoch, ids, batch = self.next_batch()
-        stats = train_step(self.model, self.optimizer, self.scheduler, batch, t.max_grad_norm)
+        step_start = time.perf_counter()
+        data = pipeline.next(self.consumed)
+        epoch, ids = data.epoch, data.ids
+        stats = train_step(self.model, self.optimizer, self.scheduler, data.micro_batches, t.max_grad_norm)
         self.step, self.consumed = self.step + 1, self.consumed + len(ids)
-        elapsed = time.monotonic() - start
+        reduced = reduce_stats(stats, t.ttt_decay)  # its all-reduce ends the step on every rank
+        step_s, elapsed = time.perf_counter() - step_start, time.monotonic() - start
         record = {
             "step": self.step,
             "epoch": epoch,
             "samples_consumed": self.consumed,
-            **reduce_stats(stats, t.ttt_decay),
+            **reduced,
             "lr": stats["lr"],
             "grad_norm": stats["grad_norm"],
             "micro_batches": stats["num_micro_batches"],
             "elapsed_s": round(elapsed, 3),
+            "data_wait_s": round(data.wait_s, 4),
+            "data_stall_fraction": round(data.wait_s / max(step_s, 1e-9), 4),
             "sample_ids": ids,
         }
         self.tokens_seen += record["num_tokens"]
@@ -338,13 +334,16 @@ class Trainer:
             f"world size {self.ctx.world}, {self.train_config.parallelism}",
         )
         start = time.monotonic()
+        pipeline = self.input_pipeline()
         try:
             while self.step < self.last_step:
-                record = self.train_one_step(start)
+                record = self.train_one_step(start, pipeline)
                 if self.saves_now():
                     self.save(record["epoch"])
         finally:
-            self.setup.samples.close()
+            pipeline.stop()
+            self.setup.samples.close()  # after stop: a read waiting on the shard cache is released
+            pipeline.join()
             if self.tensorboard is not None:
                 self.tensorboard.close()
         final = {"checkpoint": self.checkpoint, "step": self.step, "final_loss": self.loss}

@@ -3,7 +3,8 @@
 `start_s3_server()` runs `python -m moto.server` as a subprocess. `FaultProxy` is an HTTP proxy on
 127.0.0.1 in front of it that forwards every request unchanged, except those matching a `Fault`:
 it answers them with an S3 error (503 SlowDown, 500 InternalError), answers late (a client read
-timeout), cuts the connection, or flips a byte of the response or the request body. It logs every request as it arrives, so a
+timeout), cuts the connection (before the answer, or halfway through its body), or flips a byte of the
+response or the request body; a fault may match one range of a ranged GET (its Range header). It logs every request as it arrives, so a
 test can count the client's retries.
 """
 
@@ -63,10 +64,12 @@ class Fault:
 
     method: str
     match: str
-    action: str  # "503" | "500" | "delay" | "drop" | "corrupt" (response body) | "corrupt_request" (request body)
+    action: str  # "503" | "500" | "delay" | "drop" | "cut" (half the body, then close) | "corrupt" (response body)
+    # | "corrupt_request" (request body)
     times: int = 1
     delay_s: float = 3.0
     hits: int = 0
+    range: str = ""  # when set, only requests whose Range header contains it (one part of a ranged read)
 
 
 @dataclass
@@ -90,7 +93,7 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 proxy._record(self.command, self.path)
-                fault = proxy._take_fault(self.command, self.path)
+                fault = proxy._take_fault(self.command, self.path, self.headers.get("Range", ""))
                 action = fault.action if fault else None
                 if action in ("503", "500"):
                     code, name = (
@@ -122,17 +125,22 @@ class FaultProxy:
                 conn.close()
                 if action == "corrupt" and data:
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
-                self._reply(resp.status, out_headers, data)
+                self._reply(resp.status, out_headers, data, cut=action == "cut")
 
-            def _reply(self, status, headers, data):
+            def _reply(self, status, headers, data, cut=False):
                 self.send_response(status)
                 for k, v in headers.items():
-                    if k.lower() != "content-length":
+                    if k.lower() != "content-length" or self.command == "HEAD":  # a HEAD's is the object's size
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(data)
+                    self.wfile.write(data[: len(data) // 2] if cut else data)
+                if cut:  # the full length announced, half of it sent: the client's stream breaks mid-body
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
@@ -141,10 +149,10 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _take_fault(self, method: str, path: str) -> Fault | None:
+    def _take_fault(self, method: str, path: str, range_header: str = "") -> Fault | None:
         with self.lock:
             for f in self.faults:
-                if f.method == method and f.match in path and f.hits < f.times:
+                if f.method == method and f.match in path and f.range in range_header and f.hits < f.times:
                     f.hits += 1
                     return f
         return None

@@ -69,6 +69,20 @@ def test_read_with_wrong_checksum_is_refused(store):
         store.get_bytes("a.bin", checksum="xxh3-128:" + "0" * 32)
 
 
+def test_download_to_writes_the_whole_object_checked_or_nothing(store, tmp_path):
+    digest = store.put_bytes("a.bin", b"payload")
+    out = tmp_path / "downloads"
+    out.mkdir()
+    store.download_to("a.bin", out / "a.bin", checksum=digest)
+    store.download_to("a.bin", out / "unchecked.bin")
+    with pytest.raises(
+        ChecksumMismatchError, match=r"a.bin: checksum xxh3-128:.* of 7 bytes read.*, expected xxh3-128:0000"
+    ):
+        store.download_to("a.bin", out / "b.bin", checksum="xxh3-128:" + "0" * 32)
+    assert sorted(p.name for p in out.iterdir()) == ["a.bin", "unchecked.bin"]  # no temporary, no b.bin
+    assert (out / "a.bin").read_bytes() == (out / "unchecked.bin").read_bytes() == b"payload"
+
+
 def test_open_storage_dispatches_on_the_url(tmp_path):
     assert isinstance(open_storage(tmp_path), LocalStorage)
     assert isinstance(open_storage("s3://bucket/prefix"), S3Storage)

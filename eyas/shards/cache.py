@@ -10,13 +10,15 @@ shards, in order of next use from the rank's position in its schedule (the shard
 for first), whose sizes fit in `cache_bytes`. It fetches the first of them that is missing, evicting
 first what lies outside that run and is not being read (the shard needed latest goes first: Belady's
 rule, right for any order; a shard-local order, train.shuffle_window_shards, is what makes it cheap).
-Every fetch is checked against the manifest checksum by the storage (eyas.storage retries a damaged
-read, then refuses it); a shard that cannot be fetched fails the reader's next wait, named. Files on disk
-plus the one being fetched never exceed `cache_bytes` (room is made before a fetch starts). A shard read
-off the schedule (the reader's metadata check) is fetched on demand, first.
+A fetch streams the shard to disk (`Storage.download_to`; from S3 by ranged GETs, `num_fetch_streams` at
+once, each tied to the object's ETag, so one rank's fetch rate is bounded by the link rather than by one
+stream: eyas.storage.s3_fetch), checked against the manifest checksum as it lands (the storage retries a
+damaged read, then refuses it); a shard that cannot be fetched fails the reader's next wait, named, and leaves
+no file behind. Files on disk plus the one being fetched never exceed `cache_bytes` (room is made before a
+fetch starts). A shard read off the schedule (the reader's metadata check) is fetched on demand, first.
 
-Crash safety: shards land by temporary -> fsync -> rename (eyas.fsio). A new cache over an existing
-directory keeps each file whose size and checksum are its manifest row's and deletes anything else
+Crash safety: shards land by temporary -> fsync -> rename (eyas.fsio, inside download_to). A new cache over an
+existing directory keeps each file whose size and checksum are its manifest row's and deletes anything else
 (temporaries of an interrupted fetch, stale shards), so a run killed with SIGKILL resumes with what it
 had, or with nothing.
 """
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.checksum import checksum_file
-from eyas.fsio import atomic_write_bytes
 from eyas.shards.manifest import ManifestRow
 from eyas.storage import Storage
 
@@ -240,8 +241,8 @@ class ShardCache:
                     return
             row = self.rows[shard]
             try:
-                data = self.source.get_bytes(row.file, checksum=row.checksum)
-                atomic_write_bytes(self._path(shard), data)
+                # streamed to a temporary (on S3 by ranged, parallel GETs), checked, fsynced, renamed
+                self.source.download_to(row.file, self._path(shard), checksum=row.checksum)
             except Exception as e:  # handed to the reader that waits for it, named (_raise_if_failed)
                 with self._cond:
                     self._reserved = 0

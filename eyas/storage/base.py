@@ -26,8 +26,9 @@ class Storage(Protocol):
     def get_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes start..end (exclusive) of `name`, unchecked (verification checks what it reads)."""
 
-    def download_to(self, name: str, path: str | Path) -> None:
-        """Write `name` whole into the local file `path`, streamed, unchecked (verification hashes it)."""
+    def download_to(self, name: str, path: str | Path, *, checksum: str | None = None) -> None:
+        """Write `name` whole into the local file `path`, streamed (temporary -> fsync -> rename: nothing at `path`
+        on failure); checked against `checksum` when one is given (retried, then refused), else unchecked."""
 
     def list(self, prefix: str = "") -> dict[str, int]:
         """{name: size} of the complete objects directly under `prefix` ("" or "dir/"; not recursive)."""

@@ -6,9 +6,9 @@ import os
 import shutil
 from pathlib import Path
 
-from eyas.checksum import checksum_bytes
-from eyas.fsio import TMP_MARKER, atomic_write_bytes, fsync_path
-from eyas.storage.base import check_checksum
+from eyas.checksum import checksum_bytes, checksum_file, short
+from eyas.fsio import TMP_MARKER, atomic_write_bytes, commit_temp, fsync_path, temp_path
+from eyas.storage.base import ChecksumMismatchError, check_checksum
 
 
 class LocalStorage:
@@ -39,8 +39,20 @@ class LocalStorage:
         with open(self._path(name), "rb") as f:
             return os.pread(f.fileno(), end - start, start)
 
-    def download_to(self, name: str, path: str | Path) -> None:
-        shutil.copyfile(self._path(name), path)
+    def download_to(self, name: str, path: str | Path, *, checksum: str | None = None) -> None:
+        tmp = temp_path(Path(path))
+        try:
+            shutil.copyfile(self._path(name), tmp)
+            if checksum is not None and (found := checksum_file(tmp)) != checksum:
+                raise ChecksumMismatchError(
+                    f"{self._path(name)}: checksum {short(found)} of {tmp.stat().st_size} bytes read, expected "
+                    f"{short(checksum)}; the object is corrupt or was replaced; verification quarantines it and "
+                    f"extraction rewrites it"
+                )
+            commit_temp(tmp, Path(path))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def list(self, prefix: str = "") -> dict[str, int]:
         return {name: st.st_size for name, st in self._stats(prefix).items()}

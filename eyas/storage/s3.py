@@ -10,7 +10,9 @@ on the way is sent again even by servers that ignore the checksum header; after
 (SSE-KMS) are checked by their SHA-256 only. The object's checksum (eyas.checksum) is kept in the
 `eyas-checksum` metadata.
 Reads: the body's checksum must equal the expected one (the manifest's, else the metadata's); a
-mismatch or a broken stream is retried `num_read_attempts` times, then refused.
+mismatch or a broken stream is retried `num_read_attempts` times, then refused. `download_to` (the shard
+cache's fetch) streams an object into a file by ranged GETs, `num_fetch_streams` at once, parts of
+`fetch_part_bytes`, each tied to the ETag it began with (eyas.storage.s3_fetch).
 Transient failures (throttling, 5xx, connection errors, timeouts) are retried by botocore's
 `standard` mode with exponential backoff and jitter, `max_attempts` tries per request.
 
@@ -35,6 +37,7 @@ from botocore.exceptions import ClientError, ResponseStreamingError
 
 from eyas.checksum import checksum_bytes
 from eyas.storage.base import ChecksumMismatchError, check_checksum
+from eyas.storage.s3_fetch import RangedFetch
 
 CHECKSUM_META_KEY = "eyas-checksum"
 MIN_PART_BYTES = 5 << 20  # S3's minimum for every part but the last
@@ -70,12 +73,20 @@ class S3Storage:
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 120.0,
         retry_backoff_s: float = 0.5,
+        fetch_part_bytes: int = 16 << 20,
+        num_fetch_streams: int = 16,
     ):
         if not url.startswith("s3://") or len(url) <= len("s3://"):
             raise ValueError(f"storage {url!r}: expected s3://bucket/prefix")
         bucket, _, prefix = url[len("s3://") :].partition("/")
         if part_bytes < MIN_PART_BYTES:
             raise ValueError(f"storage {url}: part_bytes={part_bytes}, S3 requires at least {MIN_PART_BYTES}")
+        if fetch_part_bytes < 1 or num_fetch_streams < 1:
+            raise ValueError(
+                f"storage {url}: fetch_part_bytes={fetch_part_bytes}, num_fetch_streams={num_fetch_streams}; expected "
+                f"both >= 1 (defaults {16 << 20} and 16)"
+            )
+        self.fetch_part_bytes, self.num_fetch_streams = fetch_part_bytes, num_fetch_streams
         self.url, self.bucket = url.rstrip("/"), bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.multipart_threshold_bytes, self.part_bytes = multipart_threshold_bytes, part_bytes
@@ -87,6 +98,7 @@ class S3Storage:
             read_timeout=read_timeout_s,
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            max_pool_connections=max(10, num_fetch_streams),  # one kept-alive connection per fetch stream
         )
         self.client = boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
 
@@ -188,11 +200,25 @@ class S3Storage:
         answer = self.client.get_object(Bucket=self.bucket, Key=self._key(name), Range=f"bytes={start}-{end - 1}")
         return answer["Body"].read()
 
-    def download_to(self, name: str, path: str | Path) -> None:
-        answer = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
-        with open(path, "wb") as f:
-            for chunk in answer["Body"].iter_chunks(1 << 20):
-                f.write(chunk)
+    def download_to(self, name: str, path: str | Path, *, checksum: str | None = None) -> None:
+        fetch = RangedFetch(
+            client=self.client,
+            bucket=self.bucket,
+            key=self._key(name),
+            source=f"{self.url}/{name}",
+            part_bytes=self.fetch_part_bytes,
+            num_streams=self.num_fetch_streams,
+            num_read_attempts=self.num_read_attempts,
+            backoff=self._backoff,
+        )
+        for attempt in range(1, self.num_read_attempts + 1):
+            try:
+                fetch.run(path, checksum)
+                return
+            except ChecksumMismatchError:
+                if attempt == self.num_read_attempts:
+                    raise
+                self._backoff(attempt)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         return {name: obj["Size"] for name, obj in self._objects(prefix).items()}

@@ -166,3 +166,22 @@ def test_the_device_command_fits_installs_offline_and_writes_under_out(capsys, m
     assert command.endswith('python3 bench/gpu_truth.py --out "$OUT"')
     assert "'wheels with space'/*.whl" in gpu_wheels.device_command("wheels with space")
     assert ".gpu-wheels/" in (REPO / ".gitignore").read_text()
+
+
+def test_a_memory_point_stopped_at_the_limit_keeps_the_points_before_it(tmp_path, monkeypatch):
+    from gpu_checks import memory
+
+    outputs = iter([json.dumps({"measured_bytes": 30 << 30})])
+
+    def fake_run(cmd, **kwargs):
+        line = next(outputs, None)
+        if line is None:
+            raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+        return subprocess.CompletedProcess(cmd, 0, stdout=line + "\n", stderr="")
+
+    monkeypatch.setattr(memory.subprocess, "run", fake_run)
+    figures = memory.memory(context(tmp_path))  # the Kimi points, planned on this host's memory
+    first, second = figures["points"]
+    assert first["point"] == "1x2048 ddp" and first["measured_vs_planned"] == (30 << 30) / first["planned_bytes"]
+    assert second["timed_out"] and figures["skipped_points"] == [p.name for p in sizes(False).memory_points[2:]]
+    assert figures["peak_vs_plan_max"] == first["measured_vs_planned"] and figures["failures"] == []

@@ -53,8 +53,11 @@ def run_point(point: MemoryPoint, ctx: CheckContext) -> dict:
     if point.expandable_segments:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     cmd = [sys.executable, "-m", "eyas.train.peak_memory", json.dumps(point_case(point, ctx))]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.subprocess_timeout())
     result = {"point": point.name, **planned(point, ctx)}
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.subprocess_timeout())
+    except subprocess.TimeoutExpired:
+        return {**result, "oom": False, "timed_out": True}
     if done.returncode == 0:
         measured = json.loads(done.stdout.strip().splitlines()[-1])
         result.update(measured_bytes=measured["measured_bytes"], oom=False)
@@ -69,17 +72,20 @@ def run_point(point: MemoryPoint, ctx: CheckContext) -> dict:
 def memory(ctx: CheckContext) -> dict:
     points, results, skipped, failures = sizes(ctx.quick).memory_points, [], [], []
     for point in points:
-        if not ctx.quick and ctx.seconds_left() < MIN_POINT_S:
+        if results and results[-1].get("timed_out") or not ctx.quick and ctx.seconds_left() < MIN_POINT_S:
             skipped.append(point.name)
             continue
         result = run_point(point, ctx)
         results.append(result)
+        if result.get("timed_out"):
+            ctx.log(f"  {point.name:32s} stopped at the check's limit")
+            continue
         shown = f"{result['measured_bytes'] / GIB:.2f} GiB" if not result["oom"] else "out of memory"
         ctx.log(f"  {point.name:32s} measured {shown:>14s}, planned {result['planned_bytes'] / GIB:.2f} GiB "
                 f"({'fits' if result['plan_fits'] else 'does not fit'} the device)")  # fmt: skip
         if result["oom"] and result["plan_fits"]:
             failures.append(f"{point.name}: ran out of memory where the plan says it fits")
-    ratios = [r["measured_vs_planned"] for r in results if not r["oom"]]
+    ratios = [r["measured_vs_planned"] for r in results if "measured_vs_planned" in r]
     return {
         "points": results,
         "skipped_points": skipped,

@@ -92,9 +92,9 @@ def sizes(quick: bool) -> Sizes:
             MemoryPoint(1, 2048),
             MemoryPoint(1, 4096),
             MemoryPoint(2, 4096),
-            MemoryPoint(4, 4096),
             MemoryPoint(1, 4096, "fsdp2"),
             MemoryPoint(1, 4096, "ddp", expandable_segments=True),
+            MemoryPoint(4, 4096),
         ),
         # the draft vocab is the preset's 32,000 (the target's vocab only sizes the frozen embedding: 64,000 here)
         speed_spec=SyntheticSpec(

@@ -185,3 +185,12 @@ def test_a_memory_point_stopped_at_the_limit_keeps_the_points_before_it(tmp_path
     assert first["point"] == "1x2048 ddp" and first["measured_vs_planned"] == (30 << 30) / first["planned_bytes"]
     assert second["timed_out"] and figures["skipped_points"] == [p.name for p in sizes(False).memory_points[2:]]
     assert figures["peak_vs_plan_max"] == first["measured_vs_planned"] and figures["failures"] == []
+
+
+def test_the_figures_a_stopped_check_had_measured_are_kept(tmp_path):
+    def measures_then_hangs(ctx):
+        ctx.partial["gemm_flops_per_s"] = 7.5e14
+        time.sleep(30)
+
+    results = run_checks([Check("speed", 0.3, 0.3, measures_then_hangs, "")], context(tmp_path), stop_after_s=60)
+    assert results["speed"]["status"] == FAILED and results["speed"]["partial_figures"] == {"gemm_flops_per_s": 7.5e14}

@@ -48,7 +48,7 @@ class CheckContext:
     work: Path  # scratch: removed after the run
     log: Callable[[str], None] = print
     ends_at: float = float("inf")  # time.monotonic() when this check's limit is reached
-    extra: dict = field(default_factory=dict)
+    partial: dict = field(default_factory=dict)  # figures so far: kept when the check fails or is stopped
 
     def seconds_left(self) -> float:
         return self.ends_at - time.monotonic()
@@ -84,7 +84,7 @@ def error_lines(exc: BaseException, limit: int = 6) -> list[str]:
 def run_one(check: Check, ctx: CheckContext, limit_s: float) -> dict:
     """Run a check under its limit; its result (status, seconds, figures, error)."""
     started = time.monotonic()
-    ctx.ends_at = started + limit_s
+    ctx.ends_at, ctx.partial = started + limit_s, {}
     ctx.log(f"--- {check.name}: {check.what} (limit {limit_s:.0f} s)")
     result: dict = {"budget_s": check.budget(ctx.quick), "limit_s": round(limit_s, 1)}
     try:
@@ -94,6 +94,8 @@ def run_one(check: Check, ctx: CheckContext, limit_s: float) -> dict:
         result.update(status=FAILED if failures else PASSED, figures=figures)
     except Exception as exc:  # recorded for the JSON, and the run goes on to the next check
         result.update(status=FAILED, error=error_lines(exc))
+        if ctx.partial:
+            result["partial_figures"] = dict(ctx.partial)
         ctx.log("\n".join(result["error"]))
     result["seconds"] = round(time.monotonic() - started, 2)
     ctx.log(f"--- {check.name}: {result['status']} in {result['seconds']} s")

@@ -13,6 +13,7 @@ here. The trainer runs with train.verify_reads on (the default), then off when t
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -108,6 +109,7 @@ def time_trainer(job: TrainJob, lengths_of, ctx: CheckContext, *, bare: bool) ->
                     seconds.append(time.perf_counter() - started)
                     lengths.append(lengths_of(record["sample_ids"]))
                     stalls.append(record["data_stall_fraction"])
+                    ctx.partial[f"{Path(job.output_dir).name}_step_s"] = list(seconds)
             result = {"trainer": {**rate(seconds, lengths), "data_stall_fraction_max": max(stalls)},
                       "micro_batches": record["micro_batches"], "padding_waste": record["padding_waste"],
                       "peak_memory_bytes": record.get("peak_memory_bytes"), "arch": trainer.draft.arch,
@@ -141,7 +143,9 @@ def bare_loop(trainer: Trainer, pipeline, lengths_of, num_steps: int, device: to
 def speed(ctx: CheckContext) -> dict:
     s, device = sizes(ctx.quick), torch.device(ctx.device)
     gemm = gemm_flops_per_s(device, s.gemm_size)
+    ctx.partial["gemm_flops_per_s"] = gemm
     ctx.log(f"  bf16 matrix product {s.gemm_size}^3: {gemm / 1e12:.1f} TFLOP/s")
+    written_from = time.monotonic()
     run = write_synthetic_run(ctx.work / "speed-run", num_samples=s.speed_samples, per_shard=8, spec=s.speed_spec,
                               encoding=s.encoding)  # fmt: skip
     sample_lengths = [int(sample["input_ids"].numel()) for sample in run.pop("samples")]
@@ -150,6 +154,7 @@ def speed(ctx: CheckContext) -> dict:
         return [sample_lengths[i] for i in ids]
 
     started = time.monotonic()
+    ctx.partial["data_written_s"] = round(started - written_from, 1)
     timed = time_trainer(speed_job(run, ctx, verify_reads=True), lengths_of, ctx, bare=True)
     trainer, bare = timed["trainer"], timed["bare"]
     flops = train_flops_per_token(timed["arch"], timed["num_ttt_steps"], trainer["mean_length"])
@@ -169,6 +174,7 @@ def speed(ctx: CheckContext) -> dict:
     }
     ctx.log(f"  trainer {trainer['tokens_per_s']:,.0f} tokens/s, bare {bare['tokens_per_s']:,.0f}; "
             f"{flops / 1e9:.1f} GFLOP/token; MFU {figures['mfu']} (vs the GEMM {figures['mfu_vs_gemm']:.3f})")  # fmt: skip
+    ctx.partial.update(figures)
     if ctx.seconds_left() > 1.5 * (time.monotonic() - started):
         unverified = time_trainer(speed_job(run, ctx, verify_reads=False), lengths_of, ctx, bare=False)["trainer"]
         figures["trainer_unverified"] = unverified

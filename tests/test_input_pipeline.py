@@ -18,7 +18,7 @@ import eyas.train.trainer as trainer_module
 from eyas.shards.encoding import ShardEncoding
 from eyas.shards.reader import ShardDataError, ShardSamples
 from eyas.train.data import batch_at, collate
-from eyas.train.input_pipeline import HostStep, InputPipeline, to_device
+from eyas.train.input_pipeline import HostStep, InputPipeline, read_micro_batches, to_device
 from eyas.train.metrics import METRICS_FILE, read_metrics
 from eyas.train.parallel import Dist
 from eyas.train.trainer import Trainer
@@ -74,17 +74,19 @@ def test_prefetching_trains_to_the_weights_of_reading_in_the_loop_bit_for_bit(fl
 
 @pytest.mark.parametrize("encoding", [FLOAT8, ShardEncoding(aux_dtype="bfloat16", dtype="bfloat16")])
 def test_batches_are_the_decoded_samples_collated(tmp_path, encoding):
-    """What the loop trained on before: each sample decoded to float32 as read, then padded; now padded as stored and
-    decoded where the batch lies. Every element the same."""
+    """What the loop trained on before: each sample decoded to float32 as read, then padded; now read as stored
+    straight into the batch's rows and decoded where the batch lies. Every element the same, samples cut to max_len
+    (12) or padded to min_len (14) alike."""
     run = write_tiny_run(tmp_path / "run", num_samples=6, per_shard=4, encoding=encoding)
     samples = ShardSamples(run["shards"])
-    ids = [5, 0, 3]
-    before = collate([samples.load_sample(i) for i in ids], 64, min_len=20)
-    stored = collate([samples.load_sample(i, decoded=False) for i in ids], 64, min_len=20)
-    assert ("aux_scales" in stored) == (encoding == FLOAT8)
-    now = to_device(stored, CPU, samples.meta.encoding, num_aux=samples.meta.num_aux)
-    assert now.keys() == before.keys()
-    assert [k for k in before if before[k].dtype != now[k].dtype or not torch.equal(before[k], now[k])] == []
+    for ids, max_len, min_len in (([5, 0, 3], 64, 20), ([1, 4], 12, 0), ([2], 64, 14)):
+        before = collate([samples.load_sample(i) for i in ids], max_len, min_len=min_len)
+        (stored,) = read_micro_batches(samples, ids, max_len=max_len, min_len=min_len, micro_batch_tokens=0,
+                                       pin_memory=False)  # fmt: skip
+        assert ("aux_scales" in stored) == (encoding == FLOAT8)
+        now = to_device(stored, CPU, samples.meta.encoding, num_aux=samples.meta.num_aux)
+        assert now.keys() == before.keys()
+        assert [k for k in before if before[k].dtype != now[k].dtype or not torch.equal(before[k], now[k])] == []
 
 
 def fake_steps(built: list[int], fail_at: int | None = None, seconds: float = 0.0):

@@ -12,9 +12,10 @@ through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an o
 must agree with its manifest row and with the first shard's run-wide fields; its size must be the
 manifest's `num_bytes`, and with `verify_reads` its XXH3 checksum the manifest's `checksum` (one read of the
 file, on first open), so a shard damaged after verification is refused, named, before a step trains on it.
-A sample is read as memory-mapped slices, never a whole shard; float8 aux states are decoded (times their
-scales, eyas.shards.encoding.decode_aux) as they are read, into float32, or handed on as stored with
-`decoded=False` (the trainer decodes them on its device). With `cache_bytes` > 0 the shards
+A sample is read with one large sequential read (pread) per tensor, never a whole shard, into its own tensors
+(`load_sample`) or straight into a batch's rows (`read_sample_into`, the trainer's input pipeline); float8 aux
+states are decoded (times their scales, eyas.shards.encoding.decode_aux) as they are read, into float32, or handed
+on as stored (`decoded=False`, read_sample_into: the trainer decodes them on its device). With `cache_bytes` > 0 the shards
 are read from a storage (S3, or any eyas.storage) through a bounded local cache (eyas.shards.cache), whose
 fetches are checked against the manifest checksum; without, they are the files of a local directory.
 """
@@ -22,8 +23,12 @@ fetches are checked against the manifest checksum; without, they are the files o
 from __future__ import annotations
 
 import bisect
+import json
+import math
+import os
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +60,59 @@ RUN_FIELDS = (
 
 class ShardDataError(ValueError):
     """The shards on disk do not form the dataset the trainer expects."""
+
+
+ST_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+            "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's rows lie in a safetensors file: row 0 at byte `start`, `row_bytes` a row."""
+
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    start: int
+    row_bytes: int
+
+
+def tensor_layout(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file (its header: 8 bytes of length, then JSON) as StoredTensors."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in ST_TORCH:
+            raise ShardDataError(f"shard {path.name}: tensor {name} has dtype {info['dtype']}, expected one of "
+                                 f"{sorted(ST_TORCH)}; run eyas verify")  # fmt: skip
+        dtype, shape = ST_TORCH[info["dtype"]], tuple(info["shape"])
+        out[name] = StoredTensor(dtype, shape[1:], 8 + length + info["data_offsets"][0],
+                                 math.prod(shape[1:]) * dtype.itemsize)  # fmt: skip
+    return out
+
+
+def read_rows(path: Path, layout: dict[str, StoredTensor], names: list[str], a: int, b: int, into=None) -> dict:
+    """Rows a..b of the named tensors, each read with large sequential reads (pread) into its own tensor, or into
+    `into[name]` (contiguous, b - a rows): the kernel's readahead serves them, where page faults of memory-mapped
+    slices would fetch a few pages at a time."""
+    fd, out = os.open(path, os.O_RDONLY), {}
+    try:
+        for name in names:
+            t = layout[name]
+            dst = into[name] if into is not None else torch.empty((b - a, *t.row_shape), dtype=t.dtype)
+            view, done = memoryview(dst.view(-1).view(torch.uint8).numpy()), 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], t.start + a * t.row_bytes + done)
+                if not got:
+                    raise ShardDataError(f"shard {path.name}: ends inside {name} rows {a}..{b}; run eyas verify")
+                done += got
+            out[name] = dst
+    finally:
+        os.close(fd)
+    return out
 
 
 class ShardSamples:
@@ -107,6 +165,7 @@ class ShardSamples:
         self.num_samples = max_samples or total
         self._offsets: dict[int, torch.Tensor] = {}
         self._checked: set[int] = set()
+        self._layouts: dict[int, dict[str, StoredTensor]] = {}
         self._read_lock = threading.Lock()  # the input pipeline's thread and the loop's evaluation both read
         with self._opened(0) as path, safe_open(path, framework="pt") as f:
             self.meta = self._parse(0, f)
@@ -212,6 +271,31 @@ class ShardSamples:
             self._offsets[shard] = offsets
         return self._offsets[shard]
 
+    def stored_tensors(self) -> dict[str, StoredTensor]:
+        """The dtype and row shape of every per-token tensor a sample has (the first shard's; every shard agrees)."""
+        with self._read_lock:
+            if 0 not in self._layouts:
+                with self._opened(0) as path:
+                    self._layouts[0] = tensor_layout(path)
+            return {n: self._layouts[0][n] for n in [*self._feature_names, "input_ids", "loss_mask"]}
+
+    def num_tokens(self, index: int) -> int:
+        """The sample's token count (its shard's sample_offsets, read once per shard)."""
+        shard, local = self.locate(index)
+        with self._read_lock:
+            if shard not in self._offsets:
+                with self._opened(shard) as path, safe_open(path, framework="pt") as f:
+                    self._shard_offsets(shard, f)
+            offsets = self._offsets[shard]
+        return int(offsets[local + 1] - offsets[local])
+
+    def read_sample_into(self, index: int, into: dict[str, torch.Tensor]) -> None:
+        """The sample's first n tokens of each stored tensor (input_ids, loss_mask and the features as stored, by
+        their names in the shard) read straight into `into[name]`, contiguous [n, ...] (a batch's row): no copy
+        in between. Checked as load_sample checks."""
+        with self._read_lock:
+            self._load_sample(index, decoded=False, into=into)
+
     def load_sample(self, index: int, *, decoded: bool = True) -> dict[str, torch.Tensor | int]:
         """One sample as tensors: input_ids [T], loss_mask [T], aux_hidden [T, nH] (decoded), and the teacher:
         last_hidden [T, H], or topk_ids and topk_logprobs [T, K]. `decoded=False` leaves float8 aux as stored,
@@ -220,7 +304,7 @@ class ShardSamples:
         with self._read_lock:
             return self._load_sample(index, decoded)
 
-    def _load_sample(self, index: int, decoded: bool) -> dict[str, torch.Tensor | int]:
+    def _load_sample(self, index: int, decoded: bool, into: dict | None = None) -> dict[str, torch.Tensor | int]:
         shard, local = self.locate(index)
         with self._opened(shard) as path, safe_open(path, framework="pt") as f:
             offsets = self._shard_offsets(shard, f)
@@ -231,8 +315,16 @@ class ShardSamples:
                     f"{index} from the manifest; the shard and manifest disagree; run eyas verify"
                 )
             a, b = int(offsets[local]), int(offsets[local + 1])
-            stored = {name: f.get_slice(name)[a:b] for name in self._feature_names}
-            sample: dict = {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")}
+            if shard not in self._layouts:
+                self._layouts[shard] = tensor_layout(path)
+            names = [*self._feature_names, "input_ids", "loss_mask"]
+            if into is not None:
+                n = into["input_ids"].shape[0]
+                read_rows(path, self._layouts[shard], names, a, a + n, into)
+                return {}
+            rows = read_rows(path, self._layouts[shard], names, a, b)
+        stored = {name: rows[name] for name in self._feature_names}
+        sample: dict = {name: rows[name] for name in ("input_ids", "loss_mask")}
         if decoded:
             sample["aux_hidden"] = decode_aux(stored, self.meta.encoding, num_aux=self.meta.num_aux)
         else:

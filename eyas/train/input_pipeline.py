@@ -12,8 +12,8 @@ current step trains, then copied to the device without blocking and their float8
 
 The training order is a function of the data position (eyas.train.data.batch_at), so the thread walks the same
 positions the loop will train, from the resumed one. `build(position)` (a RankSteps) reads one step's share of
-this rank (ShardSamples.load_sample with float8 aux left as stored) and collates it into micro-batches
-(eyas.train.data.collate, pinned when the device is CUDA): a HostStep. The thread keeps at most `depth` finished steps in a queue
+this rank, float8 aux as stored, straight into its micro-batches (pinned when the device is CUDA) with large
+sequential reads (ShardSamples.read_sample_into; the batches eyas.train.data.collate makes): a HostStep. The thread keeps at most `depth` finished steps in a queue
 and builds one more, so host memory holds at most depth + 1 steps of a rank's collated share, plus the step the
 loop copies. `depth` 0 builds each step in the loop itself: the same functions, the same batches.
 
@@ -35,11 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from eyas.config import TrainConfig
-from eyas.shards.encoding import ShardEncoding, decode_aux
+from eyas.shards.encoding import TEACHER_KEYS, ShardEncoding, decode_aux
 from eyas.shards.reader import ShardSamples
 from eyas.train.data import ShardWindows, batch_at, collate, padded_length, rank_slice, split_micro_batches
 
 POLL_S = 0.5  # how often a blocked put or get looks at the other side
+# a shard's per-token tensor -> its batch key (eyas.objective.ttt_loss reads these)
+BATCH_KEYS = {"input_ids": "input_ids", "loss_mask": "loss_mask", "aux_hidden_states": "aux_hidden",
+              "aux_scales": "aux_scales", **TEACHER_KEYS}  # fmt: skip
 
 
 @dataclass
@@ -73,6 +76,30 @@ def host_micro_batches(
     ]
 
 
+def read_micro_batches(
+    samples: ShardSamples, ids: list[int], *, max_len: int, min_len: int, micro_batch_tokens: int, pin_memory: bool
+) -> list[dict[str, torch.Tensor]]:
+    """host_micro_batches over the samples `ids` as stored (float8 aux with their scales), each sample read straight
+    into its batch row (ShardSamples.read_sample_into): the batches collate makes, without a copy in between."""
+    stored = samples.stored_tensors()
+    counts = [min(samples.num_tokens(i), max_len) for i in ids]
+    lengths = [padded_length(n, max_len, min_len) for n in counts]
+    out = []
+    for group in split_micro_batches(lengths, micro_batch_tokens):
+        width = max(lengths[i] for i in group)
+        batch = {name: torch.empty((len(group), width, *t.row_shape), dtype=t.dtype, pin_memory=pin_memory)
+                 for name, t in stored.items()}  # fmt: skip
+        for row, i in enumerate(group):  # every byte written once: the rows read, then zeros past them
+            samples.read_sample_into(ids[i], {name: batch[name][row, : counts[i]] for name in stored})
+            for name in stored:
+                batch[name][row, counts[i] :].zero_()
+        valid = torch.arange(width)[None, :] < torch.tensor([counts[i] for i in group])[:, None]
+        out.append(
+            {BATCH_KEYS[name]: batch[name] for name in stored} | {"valid": valid.pin_memory() if pin_memory else valid}
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class RankSteps:
     """The steps one rank trains, built on the host: the step after `position` samples consumed takes the
@@ -94,8 +121,8 @@ class RankSteps:
         t = self.train
         epoch, positions = batch_at(position, len(self.train_ids), t.global_batch_size, t.seed, self.windows)
         ids = [self.train_ids[i] for i in positions]
-        mine = [self.samples.load_sample(i, decoded=False) for i in rank_slice(ids, self.rank, self.world)]
-        batches = host_micro_batches(mine, max_len=self.max_len, min_len=t.num_ttt_steps + 1,
+        mine = rank_slice(ids, self.rank, self.world)
+        batches = read_micro_batches(self.samples, mine, max_len=self.max_len, min_len=t.num_ttt_steps + 1,
                                      micro_batch_tokens=self.micro_batch_tokens, pin_memory=self.pin_memory)  # fmt: skip
         return HostStep(position, epoch, ids, batches)
 

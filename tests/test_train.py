@@ -38,6 +38,8 @@ METRIC_KEYS = {
     "tokens_per_s",
     "padding_waste",
     "micro_batches",
+    "data_wait_s",
+    "data_stall_fraction",
 }
 
 

@@ -14,6 +14,7 @@ import torch
 from run_fixtures import AUX_LAYER_IDS, run_trainer, tiny_job, write_tiny_run
 
 from eyas.objective import ttt_loss
+from eyas.shards.manifest import read_manifest
 from eyas.train.__main__ import main
 from eyas.train.checkpoint import latest_complete, load_draft
 from eyas.train.data import batch_at, collate, total_steps
@@ -72,6 +73,17 @@ def test_two_rank_training_lowers_the_loss(two_rank_run):
     assert [m["step"] for m in two_rank_run["metrics"]] == list(range(1, STEPS + 1))
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_the_two_ranks_hash_each_shard_once_between_them(two_rank_run, tiny_run):
+    """verify_reads (on by default) under torchrun: the ranks of the launch share one node record, so the shard
+    set is hashed once in all (every sample is read in 6 steps of 8 over 32 samples), not once per rank."""
+    rows = read_manifest(Path(two_rank_run["job"].shards_dir))
+    lines = re.findall(r"rank (\d): read checks: (\d+) shards \((\d+) bytes.*?(\d+) trusted", two_rank_run["stdout"])
+    assert sorted(int(line[0]) for line in lines) == [0, 1], two_rank_run["stdout"]
+    assert sum(int(line[1]) for line in lines) == len(rows) > 1
+    assert sum(int(line[2]) for line in lines) == sum(row.num_bytes for row in rows)
+    assert sum(int(line[3]) for line in lines) >= 1  # a shard one rank hashed, the other took from the record
 
 
 def test_metrics_lines_follow_the_global_sample_order(two_rank_run):

@@ -33,10 +33,20 @@ def cuda_job(tmp_path, parallelism: str):
     )
 
 
+def one_step(trainer: Trainer) -> dict:
+    """One training step read through the trainer's own input pipeline (stopped after it)."""
+    pipeline = trainer.input_pipeline()
+    try:
+        return trainer.train_one_step(0.0, pipeline)
+    finally:
+        pipeline.stop()
+        pipeline.join()
+
+
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
 def test_one_cuda_step_in_bf16_lowers_nothing_to_nan(tmp_path, nccl_process, parallelism):
     trainer = Trainer(cuda_job(tmp_path, parallelism), nccl_process)
-    record = trainer.train_one_step(0.0)
+    record = one_step(trainer)
     objective = trainer.model.module if parallelism == "ddp" else trainer.model
     assert objective.bf16 and is_sharded(trainer.draft) == (parallelism == "fsdp2")
     assert torch.isfinite(torch.tensor(record["loss"])) and record["grad_norm"] > 0
@@ -46,7 +56,7 @@ def test_one_cuda_step_in_bf16_lowers_nothing_to_nan(tmp_path, nccl_process, par
 def test_a_cuda_fsdp2_checkpoint_resumes_to_the_same_weights(tmp_path, nccl_process):
     job = cuda_job(tmp_path, "fsdp2")
     trainer = Trainer(job, nccl_process)
-    trainer.train_one_step(0.0)
+    one_step(trainer)
     trainer.save(epoch=0)
     saved = load_file(latest_complete(job.output_dir) / "model.safetensors")
     resumed = Trainer(job, nccl_process)

@@ -57,8 +57,8 @@ class ReadCheckStats:
 
     def summary(self) -> str:
         return (
-            f"read checks: {self.shards_hashed} shards ({self.bytes_hashed / 1e9:.2f} GB) hashed by this rank, "
-            f"{self.shards_trusted} trusted from the node's record"
+            f"read checks: {self.shards_hashed} shards ({self.bytes_hashed} bytes, {self.bytes_hashed / 1e9:.2f} GB) "
+            f"hashed by this process, {self.shards_trusted} trusted from the node's record"
         )
 
 

@@ -11,7 +11,8 @@ through eyas.shards.manifest and must cover samples 0..n-1 without a gap or an o
 `__metadata__` is parsed strictly (eyas.shards.format.ShardMeta) when the shard is first opened and
 must agree with its manifest row and with the first shard's run-wide fields; its size must be the
 manifest's `num_bytes`, and with `verify_reads` its XXH3 checksum the manifest's `checksum` (one read of the
-file, on first open), so a shard damaged after verification is refused, named, before a step trains on it.
+file, on first open, shared by the ranks of a launch on a node: eyas.shards.read_checks), so a shard damaged
+after verification is refused, named, before a step trains on it.
 A sample is read with one large sequential read (pread) per tensor, never a whole shard, into its own tensors
 (`load_sample`) or straight into a batch's rows (`read_sample_into`, the trainer's input pipeline); float8 aux
 states are decoded (times their scales, eyas.shards.encoding.decode_aux) as they are read, into float32, or handed
@@ -34,11 +35,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eyas.checksum import checksum_file, short
 from eyas.shards.cache import ShardCache
 from eyas.shards.encoding import TEACHER_KEYS, decode_aux
 from eyas.shards.format import BASE_TENSOR_NAMES, ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
+from eyas.shards.read_checks import NodeReadChecks
 from eyas.storage import Storage, as_storage
 
 # ShardMeta fields every shard of one extraction run shares.
@@ -129,12 +130,15 @@ class ShardSamples:
         *,
         max_samples: int = 0,
         verify_reads: bool = False,
+        read_checks: NodeReadChecks | None = None,
         cache_dir: str | Path | None = None,
         cache_bytes: int = 0,
         log=print,
     ):
         store = as_storage(shards)
         self.verify_reads, self.where = verify_reads, store.url
+        # with verify_reads, the checksums found (one process hashing alone unless the launch's node record is given)
+        self.read_checks = (read_checks or NodeReadChecks(None)) if verify_reads else None
         if not cache_bytes and store.local_path() is None:
             raise ShardDataError(
                 f"shards {store.url}: not a local directory; read it through a cache (train.cache_bytes > 0) "
@@ -218,13 +222,9 @@ class ShardSamples:
                 f"shard {row.file}: {size} bytes, the manifest says {row.num_bytes}; the file changed after "
                 "extraction (truncated or replaced): run eyas verify, which quarantines and re-extracts it"
             )
-        if self.verify_reads:
-            found = checksum_file(path)
-            if found != row.checksum:
-                raise ShardDataError(
-                    f"shard {row.file}: checksum {short(found)}, the manifest says {short(row.checksum)}; its bytes "
-                    "changed after extraction: run eyas verify, which quarantines and re-extracts it"
-                )
+        problem = self.read_checks.checksum_problem(row, path) if self.read_checks is not None else None
+        if problem:
+            raise ShardDataError(problem)
 
     def _parse(self, shard: int, f) -> ShardMeta:
         """The shard's metadata, checked against its manifest row."""

@@ -17,6 +17,7 @@ import torch
 from eyas.config import TrainJob
 from eyas.dataset.vocab import load_vocab
 from eyas.draft import DraftArch, Eagle3Draft, build_draft
+from eyas.shards.read_checks import NodeReadChecks
 from eyas.shards.reader import ShardSamples
 from eyas.storage import open_storage
 from eyas.target import load_embed_and_lm_head, target_fingerprint
@@ -55,7 +56,9 @@ def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
     """The job's shards: the local directory, or (train.cache_bytes > 0) its storage through rank's cache."""
     t = job.train
     if not t.cache_bytes:
-        return ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=t.verify_reads)
+        checks = NodeReadChecks.for_this_launch() if t.verify_reads else None  # each shard hashed once per node
+        return ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=t.verify_reads,
+                            read_checks=checks)  # fmt: skip
     return ShardSamples(
         open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url),
         max_samples=job.max_samples,

@@ -346,6 +346,8 @@ class Trainer:
             pipeline.join()
             if self.tensorboard is not None:
                 self.tensorboard.close()
+        if self.setup.samples.read_checks is not None:  # every rank: what it hashed and what it took on trust
+            print(f"[eyas.train] rank {self.ctx.rank}: {self.setup.samples.read_checks.stats.summary()}", flush=True)
         final = {"checkpoint": self.checkpoint, "step": self.step, "final_loss": self.loss}
         if self.ctx.rank == 0:
             final["best"] = read_best(self.output_dir)

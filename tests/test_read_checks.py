@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_SHARDS, NUM_PROCESSES = 6, 4
 
 WORKER = """
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 from eyas.shards.manifest import ManifestRow
 from eyas.shards.read_checks import NodeReadChecks
@@ -40,11 +40,15 @@ if args.get("stall"):  # a rank that dies while hashing: it announces the hash, 
         Path(args["stall"]).write_text("hashing")
         time.sleep(60)
     checks._hash = stalled
+if args.get("ready"):
+    Path(args["ready"]).write_text("ready")  # as a trainer's rank: its checks open before any rank can finish
 while not Path(args["go"]).exists():
     time.sleep(0.005)
 order = args["order"]
 problems = {rows[i].file: checks.checksum_problem(rows[i], Path(args["shards"]) / rows[i].file) for i in order}
-print(json.dumps({"problems": problems, "stats": vars(checks.stats), "folder": str(checks.folder)}))
+print(json.dumps({"problems": problems, "stats": vars(checks.stats), "folder": str(checks.folder)}), flush=True)
+if args.get("killed"):
+    os._exit(0)  # ends as a killed process does: no close, no exit handlers
 """
 
 
@@ -78,12 +82,22 @@ def finish(proc: subprocess.Popen) -> dict:
     return json.loads(out)
 
 
-def run_together(tmp_path: Path, rows: list[ManifestRow], *, folder, root=None, env=None, n=NUM_PROCESSES):
-    """n workers, released at once, each verifying every shard in its own rotated order."""
-    go = tmp_path / f"go-{time.monotonic_ns()}"
-    base = {"rows": [vars(r) for r in rows], "shards": str(tmp_path / "shards"), "go": str(go)}
+def run_together(tmp_path: Path, rows: list[ManifestRow], *, folder, root=None, env=None, n=NUM_PROCESSES,
+                 killed=False):  # fmt: skip
+    """n workers, released at once when all have opened their checks, each verifying every shard in its own
+    rotated order; `killed`: they end without closing, as killed ranks do."""
+    stamp = time.monotonic_ns()
+    go, ready = tmp_path / f"go-{stamp}", [tmp_path / f"ready-{stamp}-{k}" for k in range(n)]
+    base = {"rows": [vars(r) for r in rows], "shards": str(tmp_path / "shards"), "go": str(go), "killed": killed}
     base |= {"folder": None if folder is None else str(folder), "root": None if root is None else str(root)}
-    procs = [start(base | {"order": [(k + j) % len(rows) for j in range(len(rows))]}, env=env) for k in range(n)]
+    procs = [
+        start(base | {"order": [(k + j) % len(rows) for j in range(len(rows))], "ready": str(ready[k])}, env=env)
+        for k in range(n)
+    ]
+    deadline = time.monotonic() + 60
+    while not all(path.exists() for path in ready):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "a worker ended before ready"
+        time.sleep(0.005)
     go.write_text("go")
     return [finish(p) for p in procs]
 
@@ -127,11 +141,29 @@ def test_ranks_of_one_torchrun_launch_share_records_and_a_restart_hashes_again(t
 def test_a_record_from_an_ended_launch_is_not_trusted_and_its_folder_is_deleted(tmp_path):
     rows = write_shards(tmp_path / "shards")
     root, total = tmp_path / "root", sum(row.num_bytes for row in rows)
-    (earlier,) = run_together(tmp_path, rows, folder=None, root=root, n=1)  # outside torchrun: the process
+    (earlier,) = run_together(tmp_path, rows, folder=None, root=root, n=1, killed=True)  # outside torchrun
     assert earlier["stats"]["bytes_hashed"] == total and Path(earlier["folder"]).is_dir()
     (later,) = run_together(tmp_path, rows, folder=None, root=root, n=1)
     assert later["stats"] == {"shards_hashed": NUM_SHARDS, "bytes_hashed": total, "shards_trusted": 0}
     assert not Path(earlier["folder"]).exists()  # its launcher ended: pruned when the later one opened
+
+
+def test_the_last_process_of_a_launch_to_close_deletes_its_folder_and_the_empty_root(tmp_path):
+    rows = write_shards(tmp_path / "shards")
+    root, rank = tmp_path / "root", {"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "0"}
+    (root / "a-folder-of-another-launch").mkdir(parents=True)
+    first = run_together(tmp_path, rows, folder=None, root=root, env=rank, n=2)  # both close at exit
+    assert sum(r["stats"]["bytes_hashed"] for r in first) == sum(row.num_bytes for row in rows)
+    assert sorted(p.name for p in root.iterdir()) == ["a-folder-of-another-launch"]
+    (root / "a-folder-of-another-launch").rmdir()
+    run_together(tmp_path, rows, folder=None, root=root, n=1)
+    assert not root.exists()
+    checks = NodeReadChecks.for_this_launch(root)  # in this process: open, checked, closed
+    assert checks.checksum_problem(rows[0], tmp_path / "shards" / rows[0].file) is None
+    assert checks.folder.is_dir()
+    checks.close()
+    assert not root.exists()
+    checks.close()  # closing again does nothing
 
 
 def test_a_process_killed_while_hashing_leaves_no_record_and_the_next_hashes_the_shard(tmp_path):

@@ -22,12 +22,17 @@ What a record may be trusted for:
 
 The folder is node-local (the temporary directory, per user): flock on a shared network volume is not
 dependable (Lustre refuses it without `-o flock`), and /dev/shm is small in containers and NCCL needs it.
-Folders of launches that have ended on this host are deleted when a new one opens. Where /proc does not name
+The last process of a launch to close its checks (ShardSamples.close, or at exit) deletes the launch's folder, and
+the root with it when nothing else is left there: every process holds a shared flock on the folder's `.users`
+for as long as it may read, and the closer deletes only when it can take that lock exclusively. Folders of
+launches that ended without closing (killed) are deleted when a new one opens. Where /proc does not name
 the launch (not Linux), each process checks alone, as without a record.
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
 import fcntl
 import json
 import os
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from eyas.shards.manifest import ManifestRow
 
 ROOT_NAME = "eyas-read-checks"
+USERS = ".users"  # each process of the launch holds a shared flock on it while it may read
 CHUNK_BYTES = 1 << 24
 
 
@@ -104,24 +110,47 @@ class NodeReadChecks:
     def __init__(self, folder: str | Path | None):
         self.folder = None if folder is None else Path(folder)
         self.stats = ReadCheckStats()
+        self._root: Path | None = None  # set by for_this_launch: close deletes what the launch leaves there
+        self._users_fd: int | None = None
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
 
     @classmethod
     def for_this_launch(cls, root: str | Path | None = None) -> "NodeReadChecks":
         """The launch's folder under `root` (default: TMPDIR/eyas-read-checks-UID), ended launches' folders of
-        this host deleted first."""
+        this host deleted first; `close` (or the process's exit) deletes it after the launch's last process."""
         name = launch_name()
         if name is None:
             return cls(None)
         root = Path(root) if root is not None else Path(tempfile.gettempdir()) / f"{ROOT_NAME}-{os.getuid()}"
-        root.mkdir(parents=True, exist_ok=True)
         host, boot = name.rsplit("_", 4)[:2]
-        with _flocked(root / ".prune.lock", what=f"read-check folder {root}"):
+        with _root_held(root):
             for old in root.iterdir():
                 if old.is_dir() and old.name != name and _ended(old.name, host, boot):
                     shutil.rmtree(old)
-        return cls(root / name)
+            checks = cls(root / name)
+            checks._root = root
+            checks._users_fd = os.open(checks.folder / USERS, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(checks._users_fd, fcntl.LOCK_SH)  # never waits: an exclusive holder holds the root too
+        atexit.register(checks.close)
+        return checks
+
+    def close(self) -> None:
+        """This process reads no more: the last of its launch deletes the launch's folder (and an empty root)."""
+        if self._users_fd is None:
+            return
+        fd, self._users_fd = self._users_fd, None
+        os.close(fd)  # releases this process's shared lock
+        with _root_held(self._root):
+            if self.folder.is_dir():
+                with _flocked(self.folder / USERS, what=f"read-check folder {self.folder}", wait=False) as last:
+                    if last:
+                        shutil.rmtree(self.folder)
+            try:
+                self._root.rmdir()
+            except OSError as e:  # another launch's folder is there
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
 
     def checksum_problem(self, row: "ManifestRow", path: str | Path) -> str | None:
         """What is wrong with the shard's bytes against its manifest row (None: its checksum matches),
@@ -225,3 +254,26 @@ def _flocked(lock: Path, *, what: str, wait: bool = True):
         yield held
     finally:
         os.close(fd)
+
+
+@contextmanager
+def _root_held(root: Path):
+    """The root folder, made if missing, under an exclusive flock on the folder itself. A closer may delete the
+    root while another process waits on its lock: the waiter then holds a lock on a deleted folder and tries again."""
+    while True:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(root).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield
+                return
+        finally:
+            os.close(fd)

@@ -190,6 +190,8 @@ class ShardSamples:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        if self.read_checks is not None:
+            self.read_checks.close()
 
     def _path(self, shard: int) -> Path:
         return self.shards_dir / self._rows[shard].file

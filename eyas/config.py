@@ -527,9 +527,10 @@ class TrainConfig(StrictModel):
             unused = [f"train.{f}={getattr(self, f)!r}" for f in _RDZV_FIELDS
                       if getattr(self, f) != type(self).model_fields[f].default]  # fmt: skip
             if unused:
+                them = "them" if len(unused) > 1 else "it"
                 raise ValueError(
                     f"{', '.join(unused)} would do nothing: train.num_nodes=1 trains on this node alone (torchrun "
-                    f"--standalone, no rendezvous between nodes); remove {'them' if len(unused) > 1 else 'it'}, or set train.num_nodes"
+                    f"--standalone, no rendezvous between nodes); remove {them}, or set train.num_nodes"
                 )
             return self
         self.rdzv_endpoint = _endpoint_with_port(self.rdzv_endpoint, self.num_nodes)

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -330,8 +330,62 @@ class DraftConfig(StrictModel):
         return self
 
 
+C10D_DEFAULT_PORT = 29400  # torch's: torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py DEFAULT_PORT
+_NODE_COUNT = re.compile(r"^\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?$")
+_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*)(?::([0-9]+))?$")
+_RDZV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_RDZV_FIELDS = ("rdzv_endpoint", "rdzv_id", "rdzv_join_timeout_s", "rdzv_last_call_timeout_s")
+
+
+def parse_num_nodes(value: int | str) -> tuple[int, int]:
+    """train.num_nodes as (MIN, MAX): N is (N, N); raises ValueError naming the field, what was found and the fix."""
+    match = _NODE_COUNT.match(str(value)) if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+    low, high = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if match and 1 <= low <= high:
+        return low, high
+    found = "not a count or a range" if not match else ("a count below 1" if low < 1 else f"MIN {low} above MAX {high}")
+    raise ValueError(
+        f"train.num_nodes={value!r}: expected a node count N >= 1 or a range 'MIN:MAX' with 1 <= MIN <= MAX, found "
+        f"{found}; write e.g. 1 (one node), 2, or '2:4'"
+    )
+
+
 class TrainConfig(StrictModel):
-    num_processes: int = Field(default=2, ge=1, description="torchrun --nproc_per_node")
+    num_processes: int = Field(
+        default=2, ge=1, description="trainer processes on each node (torchrun --nproc_per_node): its GPUs, or cores"
+    )
+    num_nodes: StrictInt | StrictStr = Field(
+        default=1,
+        description="nodes the run trains on, each running num_processes trainers under its own torchrun agent: N, "
+        "or 'MIN:MAX' (training starts once MIN nodes joined, admitting up to MAX). 1 = this node alone (torchrun "
+        "--standalone); more = torch's elastic launcher with the c10d rendezvous at rdzv_endpoint (torchrun --nnodes "
+        "--rdzv-backend c10d), the same command on every node",
+    )
+    rdzv_endpoint: str = Field(
+        default="",
+        description="with num_nodes other than 1 (required then): HOST[:PORT] of the c10d rendezvous, an address of "
+        "the first node that every node reaches; that node's agent hosts torch's rendezvous store there and the others "
+        f"connect to it. The port defaults to {C10D_DEFAULT_PORT} (torch's c10d default) and is written into the "
+        "config. Empty with one node",
+    )
+    rdzv_id: str = Field(
+        default="",
+        description="the rendezvous id the nodes' agents share (torchrun --rdzv-id; letters, digits, '_', '.', '-'); "
+        "empty = derived from the run: its name and a hash of its workdir, draft and train sections, the same on "
+        "every node launched with the same config",
+    )
+    rdzv_join_timeout_s: int = Field(
+        default=600,
+        ge=1,
+        description="with num_nodes other than 1: seconds the agents wait for the nodes to join the rendezvous "
+        "before giving up (torch's c10d join_timeout; its default 600)",
+    )
+    rdzv_last_call_timeout_s: int = Field(
+        default=30,
+        ge=1,
+        description="with num_nodes 'MIN:MAX': seconds the rendezvous waits for more nodes once MIN have joined "
+        "(torch's c10d last_call_timeout; its default 30)",
+    )
     verify_reads: bool = Field(
         default=True,
         description="check each shard's XXH3 checksum against the manifest when the trainer first opens it "
@@ -455,6 +509,44 @@ class TrainConfig(StrictModel):
     def _renamed(cls, data):
         return _refuse_renamed("train", data)
 
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes; (1, 1) on one node."""
+        return parse_num_nodes(self.num_nodes)
+
+    @property
+    def min_world_size(self) -> int:
+        """Trainer processes of the run at its fewest nodes: the world its memory plan and time estimate assume."""
+        return self.node_range[0] * self.num_processes
+
+    @model_validator(mode="after")
+    def _nodes_meet_at_a_rendezvous(self) -> "TrainConfig":
+        low, high = parse_num_nodes(self.num_nodes)
+        self.num_nodes = low if low == high else f"{low}:{high}"
+        if self.num_nodes == 1:
+            unused = [f"train.{f}={getattr(self, f)!r}" for f in _RDZV_FIELDS
+                      if getattr(self, f) != type(self).model_fields[f].default]  # fmt: skip
+            if unused:
+                them = "them" if len(unused) > 1 else "it"
+                raise ValueError(
+                    f"{', '.join(unused)} would do nothing: train.num_nodes=1 trains on this node alone (torchrun "
+                    f"--standalone, no rendezvous between nodes); remove {them}, or set train.num_nodes"
+                )
+            return self
+        self.rdzv_endpoint = _endpoint_with_port(self.rdzv_endpoint, self.num_nodes)
+        if self.rdzv_id and not _RDZV_ID.match(self.rdzv_id):
+            raise ValueError(
+                f"train.rdzv_id={self.rdzv_id!r}: expected letters, digits, '_', '.' or '-' (torchrun --rdzv-id); "
+                "rename it, or leave it empty to derive it from the run"
+            )
+        if low == high and self.rdzv_last_call_timeout_s != type(self).model_fields["rdzv_last_call_timeout_s"].default:
+            raise ValueError(
+                f"train.rdzv_last_call_timeout_s={self.rdzv_last_call_timeout_s} would do nothing: train.num_nodes="
+                f"{low} is a fixed count, so the rendezvous completes as node {low} joins; remove it, or give "
+                "train.num_nodes as a range 'MIN:MAX'"
+            )
+        return self
+
     @model_validator(mode="after")
     def _copy_url_is_usable(self) -> "TrainConfig":
         url = self.checkpoint_copy_url
@@ -469,6 +561,24 @@ class TrainConfig(StrictModel):
                 f"{url!r} is not an s3:// URL; set checkpoint_copy_url to s3://bucket/prefix or clear s3_endpoint_url"
             )
         return self
+
+
+def _endpoint_with_port(endpoint: str, num_nodes: int | str) -> str:
+    """train.rdzv_endpoint as HOST:PORT (torch's c10d default port when none is given), or a ValueError."""
+    if not endpoint:
+        raise ValueError(
+            f"train.rdzv_endpoint is empty with train.num_nodes={num_nodes!r}: the nodes' agents meet at a c10d "
+            f"rendezvous and each must be given its address; set train.rdzv_endpoint to HOST:PORT of the first node "
+            f"(e.g. 'node-0.cluster.local:{C10D_DEFAULT_PORT}', {C10D_DEFAULT_PORT} being torch's c10d default)"
+        )
+    match = _ENDPOINT.match(endpoint)
+    port = int(match[2]) if match and match[2] else C10D_DEFAULT_PORT
+    if not match or not 1 <= port <= 65535:
+        raise ValueError(
+            f"train.rdzv_endpoint={endpoint!r}: expected HOST or HOST:PORT (a host name, an IPv4 address or a "
+            f"[bracketed] IPv6 one; a port from 1 to 65535); write e.g. '10.0.0.5:{C10D_DEFAULT_PORT}'"
+        )
+    return f"{match[1]}:{port}"
 
 
 class SmokeConfig(StrictModel):

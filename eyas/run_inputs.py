@@ -14,7 +14,9 @@ found and the fix. For the stages that will run:
 - vocab sizes: dataset.draft_vocab_size against the target's vocab (its embedding rows), and the mapping built
   by an earlier dataset stage against the config;
 - process counts: train.num_processes against the GPUs torch sees (nccl) or the CPU cores this process may use
-  (gloo: one trainer process per core at most; eyas.train.preflight);
+  (gloo: one trainer process per core at most; eyas.train.preflight). The count is per node (torchrun
+  --nproc_per_node): with train.num_nodes above 1 this machine is checked as one of the run's nodes, each of
+  which starts num_processes trainers; the run's world (num_processes x nodes) is what the memory plan assumes;
 - a look at the dataset: the conversations that give a sample to train on (as_given: one with an assistant
   turn; regenerate: one with a user turn to answer), refused when the others are more than
   dataset.max_empty_mask_fraction of them (the dataset stage would fail on them after its work, or train on

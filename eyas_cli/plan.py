@@ -43,7 +43,7 @@ def plan_text(config: RunConfig, plan, target) -> list[str]:
     t, shape, planned = config.train, plan.shape, plan.to_dict()
     micro_batches = math.ceil(shape.share_tokens / max(1, min(plan.micro_batch_tokens, shape.share_tokens)))
     lines = [
-        f"memory plan of {config.name}: training on {t.num_processes} process{'es' * (t.num_processes != 1)} "
+        f"memory plan of {config.name}: training on {shape.world} process{'es' * (shape.world != 1)} "
         f"({t.backend}, {shape.parallelism}, {'bf16' if shape.bf16 else 'fp32'}, activation checkpointing "
         f"{'on' if shape.checkpointing else 'off'}), per device",
         f"  target {target.model_path}: hidden {target.hidden_size:,}, vocab {target.vocab_size:,}; draft vocab "

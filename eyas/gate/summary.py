@@ -149,8 +149,8 @@ def estimate_text(config: RunConfig, est: dict) -> str:
     if est["wall_s"] is not None:
         return (
             f"about {duration_text(est['wall_s'])} wall, {est['device_hours']:.2f} {hours} "
-            f"({est['steps']:,} steps, {est['tokens']:,} tokens on {config.train.num_processes} "
-            f"process{'es' * (config.train.num_processes != 1)} at the smoke run's {est['tokens_per_s']:,.0f} "
+            f"({est['steps']:,} steps, {est['tokens']:,} tokens on {est['processes']} "
+            f"process{'es' * (est['processes'] != 1)} at the smoke run's {est['tokens_per_s']:,.0f} "
             "tokens/s each)"
         )
     if est["tokens_per_s"]:

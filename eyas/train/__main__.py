@@ -2,7 +2,8 @@
 
 Usage:
     torchrun --nproc_per_node=2 -m eyas.train --config job.json
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-endpoint=HOST:PORT -m eyas.train --config job.json
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=RUN
+        -m eyas.train --config job.json           # one line, the same on every node (train.num_nodes)
     python -m eyas.train --config job.json        # one process, no torchrun needed
 
 `job.json` is an `eyas.config.TrainJob` (written by eyas.train.launch). What a rank does is

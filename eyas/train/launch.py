@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from eyas.config import RunConfig, TrainJob
+from eyas.config import RunConfig, TrainConfig, TrainJob
 from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
@@ -90,17 +90,38 @@ def write_train_job(job: TrainJob, path: Path) -> Path:
 
 
 def torchrun_command(config: RunConfig, job_path: Path) -> list[str]:
-    """The exact command the train stage runs (torchrun through the current interpreter)."""
+    """The exact command the train stage runs on this node (torchrun through the current interpreter)."""
+    launcher = torchrun_launcher(config.train, rdzv_id=rendezvous_id(config))
+    return [*launcher, "-m", "eyas.train", "--config", str(job_path)]
+
+
+def rendezvous_id(config: RunConfig) -> str:
+    """train.rdzv_id, or the run's own: its name and a hash of its workdir, draft and train sections (every node
+    launched with the same config derives the same id; another run, or this one changed, another)."""
+    return config.train.rdzv_id or f"{config.name}-{config.fingerprint('workdir', 'draft', 'train')[:12]}"
+
+
+def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
+    """torchrun for this node's agent, up to the script it runs.
+
+    train.num_nodes 1: `--standalone` (a rendezvous on a free local port). More (N, or MIN:MAX): torch's elastic
+    launcher with the c10d rendezvous at train.rdzv_endpoint, the same command on every node. There is no
+    `--node-rank`: torch uses it only for the static rendezvous, and c10d ranks the nodes as they join. The agent
+    on the endpoint's host serves the rendezvous store (torch's c10d backend sees the host is one of this
+    machine's names or addresses); the others connect to it. `--rdzv-conf` keys are those of torch's
+    dynamic_rendezvous.create_handler: join_timeout, last_call_timeout (seconds)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    per_node = f"--nproc_per_node={train.num_processes}"
+    if train.num_nodes == 1:
+        return [*launcher, "--standalone", per_node]
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={config.train.num_processes}",
-        "-m",
-        "eyas.train",
-        "--config",
-        str(job_path),
+        *launcher,
+        f"--nnodes={train.num_nodes}",
+        per_node,
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={train.rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf=join_timeout={train.rdzv_join_timeout_s},last_call_timeout={train.rdzv_last_call_timeout_s}",
     ]
 
 
@@ -145,11 +166,12 @@ def wrap_command(cmd: list[str], width: int = 76, *, split_words: bool = False) 
 
 def training_estimate(config: RunConfig, facts: RunFacts, smoke: dict) -> dict:
     """How long the training run will take, scaled from the smoke run's measured tokens/s (one process) to the
-    planned steps' tokens on `train.num_processes` processes (linear scaling assumed: an optimistic figure when
-    the processes wait on each other, a pessimistic one where warm-up dominated the smoke run's steps).
+    planned steps' tokens on the run's processes: train.num_processes on each of its fewest nodes (linear scaling
+    assumed: an optimistic figure when the processes wait on each other, a pessimistic one where warm-up dominated
+    the smoke run's steps).
 
-    Returns steps, tokens, tokens_per_s, measured_on, and wall_s / device_hours (None when the smoke run
-    measured another kind of device than the one training uses: no figure beats a wrong one)."""
+    Returns steps, tokens, tokens_per_s, measured_on, processes, and wall_s / device_hours (None when the smoke
+    run measured another kind of device than the one training uses: no figure beats a wrong one)."""
     t = config.train
     steps = planned_steps(facts.num_samples, config)
     per_epoch = sum(min(n, config.draft.max_position_embeddings) for n in facts.sample_lengths())
@@ -158,15 +180,17 @@ def training_estimate(config: RunConfig, facts: RunFacts, smoke: dict) -> dict:
     speed, measured_on = smoke.get("tokens_per_s"), smoke.get("device", "cpu")
     trains_on = "cuda" if t.backend == "nccl" else "cpu"
     comparable = bool(speed) and measured_on.split(":")[0] == trains_on
-    wall_s = tokens / (speed * t.num_processes) if comparable else None
+    processes = t.min_world_size
+    wall_s = tokens / (speed * processes) if comparable else None
     return {
         "steps": steps,
         "tokens": tokens,
         "tokens_per_s": speed,
         "measured_on": measured_on,
         "trains_on": trains_on,
+        "processes": processes,
         "wall_s": wall_s,
-        "device_hours": wall_s * t.num_processes / 3600 if wall_s is not None else None,
+        "device_hours": wall_s * processes / 3600 if wall_s is not None else None,
     }
 
 

@@ -62,7 +62,7 @@ class PlanShape:
         from eyas.shards.encoding import extract_encoding
 
         t, d = config.train, config.draft
-        world = world or t.num_processes
+        world = world or t.min_world_size  # at the fewest nodes: the largest share per rank (batch, FSDP2 shards)
         arch = DraftArch(
             hidden_size=target.hidden_size,
             num_aux=len(config.target.aux_layer_ids or default_aux_layer_ids(8)),  # unset: EAGLE-3's three layers

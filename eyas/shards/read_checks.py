@@ -240,20 +240,24 @@ def _flocked(lock: Path, *, what: str, wait: bool = True):
     `wait`). The kernel releases it when the process dies."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            held = True
-        except BlockingIOError:
-            held = False
-        except OSError as e:
-            raise OSError(
-                e.errno,
-                f"{what}: flock on {lock} failed ({e.strerror}); expected a local filesystem that supports "
-                "flock: point TMPDIR at a local directory",
-            ) from e
-        yield held
+        yield _lock(fd, lock, what=what, wait=wait)
     finally:
         os.close(fd)
+
+
+def _lock(fd: int, lock: Path, *, what: str, wait: bool = True) -> bool:
+    """An exclusive flock on the open `lock`; False when not `wait` and another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"{what}: flock on {lock} failed ({e.strerror}); expected a local filesystem that supports "
+            "flock: point TMPDIR at a local directory",
+        ) from e
 
 
 @contextmanager
@@ -267,7 +271,7 @@ def _root_held(root: Path):
         except FileNotFoundError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd, root, what=f"read-check folder {root}")
             try:
                 current = os.stat(root).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

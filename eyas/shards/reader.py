@@ -136,7 +136,7 @@ class ShardSamples:
         log=print,
     ):
         store = as_storage(shards)
-        self.verify_reads, self.where = verify_reads, store.url
+        self.where = store.url
         # with verify_reads, the checksums found (one process hashing alone unless the launch's node record is given)
         self.read_checks = (read_checks or NodeReadChecks(None)) if verify_reads else None
         if not cache_bytes and store.local_path() is None:

@@ -334,7 +334,8 @@ C10D_DEFAULT_PORT = 29400  # torch's: torch/distributed/elastic/rendezvous/c10d_
 _NODE_COUNT = re.compile(r"^\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?$")
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*)(?::([0-9]+))?$")
 _RDZV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_RDZV_FIELDS = ("rdzv_endpoint", "rdzv_id", "rdzv_join_timeout_s", "rdzv_last_call_timeout_s")
+_NODE_DEPLOYMENT = re.compile(r"^train-node/[^/]+$")
+_RDZV_FIELDS = ("node_deployment", "rdzv_endpoint", "rdzv_id", "rdzv_join_timeout_s", "rdzv_last_call_timeout_s")
 
 
 def parse_num_nodes(value: int | str) -> tuple[int, int]:
@@ -361,12 +362,19 @@ class TrainConfig(StrictModel):
         "--standalone); more = torch's elastic launcher with the c10d rendezvous at rdzv_endpoint (torchrun --nnodes "
         "--rdzv-backend c10d), the same command on every node",
     )
+    node_deployment: str = Field(
+        default="",
+        description="with num_nodes other than 1: 'train-node/DEPLOYMENT' of which the training flow starts one flow "
+        "run per further node (MAX - 1), each running this node's torchrun command on its work pool's machine; empty "
+        "= the further nodes' agents are started by hand with the command the gate shows",
+    )
     rdzv_endpoint: str = Field(
         default="",
-        description="with num_nodes other than 1 (required then): HOST[:PORT] of the c10d rendezvous, an address of "
-        "the first node that every node reaches; that node's agent hosts torch's rendezvous store there and the others "
-        f"connect to it. The port defaults to {C10D_DEFAULT_PORT} (torch's c10d default) and is written into the "
-        "config. Empty with one node",
+        description="with num_nodes other than 1: HOST[:PORT] of the c10d rendezvous, an address of the first node "
+        "that every node reaches; that node's agent hosts torch's rendezvous store there and the others connect to "
+        f"it. The port defaults to {C10D_DEFAULT_PORT} (torch's c10d default) and is written into the config. Required "
+        "without node_deployment; with it, empty = the address by which the training flow's machine reaches the "
+        "Prefect server. Empty with one node",
     )
     rdzv_id: str = Field(
         default="",
@@ -533,7 +541,14 @@ class TrainConfig(StrictModel):
                     f"--standalone, no rendezvous between nodes); remove {them}, or set train.num_nodes"
                 )
             return self
-        self.rdzv_endpoint = _endpoint_with_port(self.rdzv_endpoint, self.num_nodes)
+        if self.node_deployment and not _NODE_DEPLOYMENT.match(self.node_deployment):
+            raise ValueError(
+                f"train.node_deployment={self.node_deployment!r}: expected 'train-node/NAME', a deployment of the "
+                "train-node flow (prefect.yaml has one per preset: train-node-PRESET); fix it, or leave it empty to "
+                "start the further nodes by hand"
+            )
+        if self.rdzv_endpoint or not self.node_deployment:  # else the training flow fills in its own address
+            self.rdzv_endpoint = _endpoint_with_port(self.rdzv_endpoint, self.num_nodes)
         if self.rdzv_id and not _RDZV_ID.match(self.rdzv_id):
             raise ValueError(
                 f"train.rdzv_id={self.rdzv_id!r}: expected letters, digits, '_', '.' or '-' (torchrun --rdzv-id); "
@@ -569,7 +584,8 @@ def _endpoint_with_port(endpoint: str, num_nodes: int | str) -> str:
         raise ValueError(
             f"train.rdzv_endpoint is empty with train.num_nodes={num_nodes!r}: the nodes' agents meet at a c10d "
             f"rendezvous and each must be given its address; set train.rdzv_endpoint to HOST:PORT of the first node "
-            f"(e.g. 'node-0.cluster.local:{C10D_DEFAULT_PORT}', {C10D_DEFAULT_PORT} being torch's c10d default)"
+            f"(e.g. 'node-0.cluster.local:{C10D_DEFAULT_PORT}', {C10D_DEFAULT_PORT} being torch's c10d default), or "
+            "set train.node_deployment so that the training flow starts the further nodes and gives them its address"
         )
     match = _ENDPOINT.match(endpoint)
     port = int(match[2]) if match and match[2] else C10D_DEFAULT_PORT

@@ -11,7 +11,7 @@ from tasks.attempts import settle_earlier_attempts
 from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
 from tasks.status import stage_status_artifact
-from tasks.train import launch_torchrun, preflight, smoke_run
+from tasks.train import launch_torchrun, node_agent, preflight, smoke_run
 
 
 @flow(name="train-drafter", log_prints=True)
@@ -34,3 +34,10 @@ def train_flow(config: RunConfig, facts: RunFacts | None = None, require_approva
     print(f"training finished at step {final['step']:,} (loss {final['final_loss']:.4f}): {final['checkpoint']}")
     stage_status_artifact(config, "train")
     return final
+
+
+@flow(name="train-node", log_prints=True)
+def train_node_flow(config: RunConfig, facts: RunFacts, node_index: int) -> dict:
+    """One further node of a training on several nodes: its torchrun agent joins the first node's rendezvous.
+    Started by the training flow (train.node_deployment), one flow run per further node."""
+    return node_agent(config, facts, node_index)

@@ -31,6 +31,12 @@ STAGES = [
     ),
     ("verify-shards", "flows/verify.py:verify_flow", "verify every shard against manifest, dataset and config"),
     ("train-drafter", "flows/train.py:train_flow", "smoke run, approval gate, torchrun trainer"),
+    (
+        "train-node",
+        "flows/train.py:train_node_flow",
+        "one further node's torchrun agent of a training on several nodes (train.node_deployment); started by the "
+        "training flow",
+    ),
     ("export-drafter", "flows/export.py:export_flow", "newest checkpoint -> SGLang format, strictly checked"),
     ("benchmark-acceptance", "flows/bench.py:bench_flow", "reference speculative decoding on held-out prompts"),
 ]

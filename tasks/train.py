@@ -15,9 +15,11 @@ from eyas.facts import RunFacts
 from eyas.markdown import dict_table
 from eyas.train.launch import TorchrunFailed, planned_steps, train_run
 from eyas.train.metrics import METRICS_FILE, read_metrics
+from eyas.train.node_agents import node_agent_run, with_rendezvous_at
 from eyas.train.preflight import preflight_run
 from eyas.train.smoke import smoke_run as run_smoke
 from tasks.caching import cached_by
+from tasks.nodes import NodeRuns, this_node_address
 from tasks.reporting import StageProgress, markdown_artifact, png_artifact
 from tasks.retry import failure_of, log_to_run
 
@@ -124,7 +126,12 @@ def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
                 }
             )
 
-        final = train_run(config, facts, on_metric=on_metric)
+        config = with_rendezvous_at(config, this_node_address()) if config.train.num_nodes != 1 else config
+        nodes = NodeRuns(config, facts)
+        try:
+            final = train_run(config, facts, on_metric=on_metric, start_nodes=nodes.start)
+        finally:
+            nodes.report()
     # the whole run, from the metric stream every launch appended to (one record per step after any resume),
     # also when this launch found the training finished and streamed nothing
     history = (
@@ -136,6 +143,13 @@ def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
         plot_loss(history, final.get("best"))
         report_evaluations(history, final.get("best"))
     return final
+
+
+# Not cached, not retried: the first node's launch task relaunches the whole job (new flow runs of the further nodes).
+@task(name="train-node-agent", cache_policy=NO_CACHE)
+def node_agent(config: RunConfig, facts: RunFacts, node_index: int) -> dict:
+    """Run this further node's torchrun agent of a training on several nodes (the first node started this run)."""
+    return node_agent_run(config, facts, node_index)
 
 
 def eval_rows(metrics: list[dict], best: dict | None) -> list[dict]:

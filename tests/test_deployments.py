@@ -57,7 +57,9 @@ def test_deployment_parameters_validate_when_loaded_from_the_entrypoint(prefect_
         "storage_url": "runs/demo/shards",
     }
     worker = {"facts": facts, "worker_index": 0, "shard_indices": [0]}
+    node = {"facts": facts, "node_index": 1}  # what the first node's launch task passes a further node
     extra = worker if deployment["name"].startswith("extract-worker") else {}
+    extra |= node if deployment["name"].startswith("train-node") else {}
     extra |= {"export_dir": "runs/demo/export"} if "export_dir" in flow.parameters.properties else {}
     validated = flow.validate_parameters({**deployment["parameters"], **extra})
     assert isinstance(validated["config"], RunConfig)
@@ -74,7 +76,7 @@ def test_deployment_parameters_equal_its_preset(deployment):
 def test_every_stage_is_deployed_for_every_preset():
     presets = sorted(p.stem for p in (REPO / "deployments").glob("*.json"))
     stages = sorted({d["entrypoint"] for d in DEPLOYMENTS})
-    assert len(stages) == 8 and len(DEPLOYMENTS) == len(stages) * len(presets)
+    assert len(stages) == 9 and len(DEPLOYMENTS) == len(stages) * len(presets)
 
 
 def test_prefect_yaml_is_what_the_script_writes():

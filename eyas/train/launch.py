@@ -18,6 +18,7 @@ import json
 import shlex
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +29,7 @@ from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_stat
 from eyas.train.data import total_steps
 from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
 from eyas.train.metrics import parse_metric_line
+from eyas.train.node_agents import MetricsFollower
 from eyas.train.preflight import record_launch
 
 JOB_FILE = "job.json"
@@ -222,9 +224,19 @@ def finished_run(train_dir: Path, job: TrainJob, last_step: int) -> dict | None:
     return final
 
 
-def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict], None] | None = None) -> dict:
+def train_run(
+    config: RunConfig,
+    facts: RunFacts,
+    *,
+    on_metric: Callable[[dict], None] | None = None,
+    start_nodes: Callable[[], None] | None = None,
+) -> dict:
     """The stage entry: run the trainer under torchrun, resuming from the newest complete checkpoint; every
-    rank-0 metric record goes to `on_metric`, every output line to train/torchrun.log. Returns final.json."""
+    rank-0 metric record goes to `on_metric`, every output line to train/torchrun.log. Returns final.json.
+
+    On several nodes this is the first node's agent: `start_nodes` starts the further nodes' agents once the job
+    file is written (eyas.train.node_agents), and the metric records come from metrics.jsonl, which global rank 0
+    writes on whichever node it is."""
     train_dir = config.paths.train_dir
     job = train_job(config, facts)
     done = finished_run(train_dir, job, planned_steps(facts.num_samples, config))
@@ -239,8 +251,12 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
     clear_failures(train_dir)  # the records of an earlier launch
     print(describe_start(started_from, config))
     print(f"launching: {format_command(cmd)}")
+    several = config.train.num_nodes != 1
+    if several and start_nodes is not None:
+        start_nodes()
     log_path = train_dir / LOG_FILE
     with (
+        MetricsFollower(train_dir, on_metric or (lambda record: None)) if several else nullcontext(),
         open(log_path, "a") as log,
         subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -249,7 +265,7 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
         record_launch(train_dir, proc.pid, cmd)
         for line in proc.stdout:
             log.write(line)
-            record = parse_metric_line(line)
+            record = None if several else parse_metric_line(line)
             if record is not None and on_metric is not None:
                 on_metric(record)
     if proc.returncode != 0:

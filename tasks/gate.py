@@ -53,6 +53,8 @@ from eyas.gate.approval import (
 from eyas.gate.summary import SUMMARY_FILE, GateSummary
 from eyas.gate.summary import gate_summary as summaries
 from eyas.markdown import table
+from eyas.train.node_agents import with_rendezvous_at
+from tasks.nodes import this_node_address
 
 MAX_ASKS = 3  # answers with refused overrides before the gate gives up
 
@@ -105,6 +107,8 @@ def gate_summary(
     config: RunConfig, facts: RunFacts, dataset: dict, verified: dict, smoke: dict, devices: dict
 ) -> GateSummary:
     """What a reviewer sees: above the approval form, in the terminal, and in full as an artifact."""
+    if config.train.num_nodes != 1 and config.train.node_deployment and not config.train.rdzv_endpoint:
+        config = with_rendezvous_at(config, this_node_address())  # the command the launch will run here
     return summaries(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
 
 

@@ -94,7 +94,7 @@ def test_a_checkpoint_save_longer_than_half_the_collective_timeout_is_a_risk(tmp
 
 def test_a_plan_that_does_not_fit_the_device_is_a_risk(tmp_path):
     config = kimi_config(tmp_path / "run", parallelism="ddp", max_tokens_per_micro_batch=32768, device_memory_gib=80)
-    summary = summarize(config)
+    summary = summarize(config, smoke={**SMOKE, "device": "cuda:0"})
     assert "Memory DOES NOT FIT: peak" in flat(summary.terminal)
     assert "Risks the memory plan does not fit the device: peak" in flat(summary.terminal)
     assert "`eyas plan CONFIG` names the fixes" in flat(summary.terminal)
@@ -126,3 +126,29 @@ def test_a_command_argument_longer_than_the_terminal_is_split_and_pasted_runs_it
     assert max(map(len, block)) <= TERMINAL_WIDTH, block
     assert shell_arguments(block) == r["command"], block
     assert not too_wide(text)
+
+
+def on_nodes(workdir: Path, **train):
+    """The Kimi run with its train section validated (the endpoint given its port) after `train`'s changes."""
+    config = kimi_config(workdir)
+    data = {**config.train.model_dump(mode="json"), **train}
+    return config.model_copy(update={"train": type(config.train).model_validate(data)})
+
+
+def test_a_run_on_several_nodes_shows_its_nodes_world_and_each_nodes_command(tmp_path):
+    config = on_nodes(tmp_path / "run", num_nodes="2:4", num_processes=8, rdzv_endpoint="node-0",
+                      node_deployment="train-node/kimi-k25-8gpu", rdzv_last_call_timeout_s=60)  # fmt: skip
+    summary = summarize(config, smoke={**SMOKE, "device": "cuda:0"})
+    nodes = (
+        "2 to 4 nodes x 8 processes (world size 16 to 32); the command below on every node: the training flow "
+        "starts nodes 2-4 as flow runs of train-node/kimi-k25-8gpu; c10d rendezvous at node-0:29400, join timeout "
+        "600 s"
+    )
+    assert f"Nodes {nodes}" in flat(summary.terminal)
+    assert f"- **nodes** {nodes}" in summary.dialog and f"## Nodes\n\n{nodes}" in summary.full
+    command = shell_arguments(summary.terminal.split("\nCommand\n", 1)[1].splitlines())
+    assert "--nnodes=2:4" in command and "--rdzv-endpoint=node-0:29400" in command
+    assert "on 16 processes at the smoke run's" in flat(summary.terminal)  # the estimate at the fewest nodes
+    by_hand = summarize(on_nodes(tmp_path / "run", num_nodes=2, rdzv_endpoint="10.0.0.5"))
+    assert "start it on every further node by hand, on machines sharing the run's directory" in flat(by_hand.terminal)
+    assert "Nodes" not in summarize(config.model_copy(update={"train": kimi_config(tmp_path).train})).terminal

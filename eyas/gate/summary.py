@@ -161,6 +161,27 @@ def estimate_text(config: RunConfig, est: dict) -> str:
     return f"{est['steps']:,} steps, {est['tokens']:,} tokens; the smoke run measured no speed"
 
 
+def nodes_text(config: RunConfig) -> str:
+    """The nodes of a training on several nodes: how many, the world size, the rendezvous, who starts the further
+    nodes; empty on one node."""
+    t = config.train
+    low, high = t.node_range
+    if high == 1:
+        return ""
+    count = f"{low}" if low == high else f"{low} to {high}"
+    world = f"{low * t.num_processes}" if low == high else f"{low * t.num_processes} to {high * t.num_processes}"
+    starts = (
+        f"the training flow starts nodes 2-{high} as flow runs of {t.node_deployment}"
+        if t.node_deployment
+        else "start it on every further node by hand, on machines sharing the run's directory at the same path"
+    )
+    at = t.rdzv_endpoint or "the first node's address, filled in at launch"
+    return (
+        f"{count} nodes x {t.num_processes} processes (world size {world}); the command below on every node: "
+        f"{starts}; c10d rendezvous at {at}, join timeout {t.rdzv_join_timeout_s} s"
+    )
+
+
 def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict) -> dict:
     """The facts of the decision, from the stages' summaries (the dataset report, the verification summary, the
     smoke run, the preflight report; its memory plan under "plan", else computed here)."""
@@ -195,6 +216,7 @@ def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict,
             f"{devices['backend']}, {devices['num_processes']} "
             f"process{'es' * (devices['num_processes'] != 1)}: {'passed' if devices['ok'] else 'FAILED'}"
         ),
+        "nodes": nodes_text(config),
         "memory": memory_facts(config, plan),
         "estimate": estimate_text(config, est),
         "risks": gate_risks(config, smoke, plan),
@@ -231,6 +253,7 @@ def terminal_text(r: dict) -> str:
         lines += _wrapped("", note.replace("**", ""))
     lines += _wrapped("Smoke", r["smoke"]) + _wrapped("", r["smoke_conditions"])
     lines += _wrapped("Devices", r["devices"])
+    lines += _wrapped("Nodes", r["nodes"]) if r["nodes"] else []
     mem = r["memory"]
     lines += _wrapped("Memory", mem["peak"]) + _wrapped("", mem["micro_batch"]) + _wrapped("", mem["largest"])
     lines += _wrapped("Estimate", r["estimate"])
@@ -256,6 +279,7 @@ def dialog_markdown(r: dict) -> str:
         f"- **data** {r['data']}",
         f"- **smoke run** {r['smoke']}; {r['smoke_conditions']}",
         f"- **devices** {r['devices']}",
+        *([f"- **nodes** {r['nodes']}"] if r["nodes"] else []),
         f"- **memory** {mem['peak']}; {mem['micro_batch']}; {mem['largest']}",
         *(f"- {note}" for note in r["notes"]),
         table(["module", "params", "trains"], rows),
@@ -281,6 +305,7 @@ def full_markdown(r: dict, *, dataset: dict, verified: dict, devices: dict) -> s
         "## Device preflight",
         r["devices"],
         dict_table(devices["devices"]),
+        *(["## Nodes", r["nodes"]] if r["nodes"] else []),
         "## Memory plan",
         f"{r['memory']['peak']}; {r['memory']['micro_batch']}",
         table(["component", "GiB", "what"], r["memory"]["rows"]),

@@ -94,7 +94,7 @@ def test_a_checkpoint_save_longer_than_half_the_collective_timeout_is_a_risk(tmp
 
 def test_a_plan_that_does_not_fit_the_device_is_a_risk(tmp_path):
     config = kimi_config(tmp_path / "run", parallelism="ddp", max_tokens_per_micro_batch=32768, device_memory_gib=80)
-    summary = summarize(config, smoke={**SMOKE, "device": "cuda:0"})
+    summary = summarize(config)
     assert "Memory DOES NOT FIT: peak" in flat(summary.terminal)
     assert "Risks the memory plan does not fit the device: peak" in flat(summary.terminal)
     assert "`eyas plan CONFIG` names the fixes" in flat(summary.terminal)

@@ -394,6 +394,21 @@ class TrainConfig(StrictModel):
         description="with num_nodes 'MIN:MAX': seconds the rendezvous waits for more nodes once MIN have joined "
         "(torch's c10d last_call_timeout; its default 30)",
     )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="with num_nodes other than 1: how many times each node's agent restarts its workers after a worker "
+        "or node failure (torchrun --max-restarts), each time re-running the rendezvous: the nodes still there (at "
+        "least MIN, else the job fails once rdzv_join_timeout_s passes) resume from the newest complete checkpoint at "
+        "their world size; a node joining a running job restarts the workers without spending one. A lost node "
+        "spends one restart of every surviving agent, so the default outlives three node losses in a run of days; "
+        "torch restarts blindly, so a failure that repeats (a bad shard, a non-finite loss) also costs up to this many "
+        "rounds of the steps since the last checkpoint on every GPU before the job fails. The survivors notice a loss "
+        "when a collective with the lost node fails: at once when its processes die (their connections close), after "
+        "collective_timeout_s when the machine or its network vanishes; the rendezvous then waits for the lost "
+        "node's keep-alive to expire (torch's 3 x 5 s) and for rdzv_last_call_timeout_s. 0 = a failure ends the job. "
+        "With one node, leave it unset: the train task relaunches a failed launch from the newest checkpoint",
+    )
     verify_reads: bool = Field(
         default=True,
         description="check each shard's XXH3 checksum against the manifest when the trainer first opens it "
@@ -559,6 +574,17 @@ class TrainConfig(StrictModel):
                 f"train.rdzv_last_call_timeout_s={self.rdzv_last_call_timeout_s} would do nothing: train.num_nodes="
                 f"{low} is a fixed count, so the rendezvous completes as node {low} joins; remove it, or give "
                 "train.num_nodes as a range 'MIN:MAX'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _restarts_need_nodes(self) -> "TrainConfig":
+        if self.num_nodes == 1 and self.max_restarts != type(self).model_fields["max_restarts"].default:
+            raise ValueError(
+                f"train.max_restarts={self.max_restarts} would do nothing: train.num_nodes=1 trains on this node "
+                "alone (torchrun --standalone, whose workers torch does not restart); there the train task relaunches "
+                "a failed launch that made progress, from the newest complete checkpoint; remove it, or set "
+                "train.num_nodes"
             )
         return self
 

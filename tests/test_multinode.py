@@ -9,10 +9,6 @@ rank fixes a rank's share of each batch, gloo picks its allreduce algorithm from
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,42 +16,14 @@ import pytest
 import torch
 from run_fixtures import tiny_job, write_tiny_run
 from safetensors.torch import load_file
+from torchrun_agents import REPO, free_port, run_agents
 
 from eyas.config import RunConfig, load_run_config
 from eyas.train.checkpoint import latest_complete, read_trainer_state
 from eyas.train.launch import rendezvous_id, torchrun_command, torchrun_launcher
 from eyas.train.metrics import parse_metric_line
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_SAMPLES, BATCH, STEPS = 32, 8, 4
-AGENT_TIMEOUT_S = 300  # a hang guard only: the tiny job takes seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_agents(commands: list[list[str]], logs: list[Path]) -> list[str]:
-    """Start every agent at once (one per "node"), wait for all, and return their output; any agent still running
-    when one fails or the guard expires is killed with its workers (they die with their launcher)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = []
-    try:
-        for cmd, log in zip(commands, logs):
-            with open(log, "w") as out:
-                procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True))  # fmt: skip
-        codes = [p.wait(timeout=AGENT_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    outputs = [log.read_text() for log in logs]
-    assert codes == [0] * len(procs), "\n\n".join(f"{' '.join(c)}\n{o[-4000:]}" for c, o in zip(commands, outputs))
-    return outputs
 
 
 def train_on(tiny_run: dict, root: Path, *, agents: int, **train) -> dict:
@@ -133,12 +101,25 @@ def test_one_node_keeps_the_standalone_command():
 
 def test_several_nodes_launch_under_the_c10d_rendezvous():
     config = run_config(num_nodes="2:4", num_processes=8, rdzv_endpoint="node-0", rdzv_join_timeout_s=900,
-                        rdzv_last_call_timeout_s=60)  # fmt: skip
+                        rdzv_last_call_timeout_s=60, max_restarts=5)  # fmt: skip
     assert torchrun_command(config, Path("job.json"))[3:] == [
         "--nnodes=2:4", "--nproc_per_node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=node-0:29400",
         f"--rdzv-id={rendezvous_id(config)}", "--rdzv-conf=join_timeout=900,last_call_timeout=60",
-        "-m", "eyas.train", "--config", "job.json",
+        "--max-restarts=5", "-m", "eyas.train", "--config", "job.json",
     ]  # fmt: skip
+    assert "--max-restarts=3" in torchrun_command(run_config(num_nodes=2, rdzv_endpoint="h"), Path("job.json"))
+
+
+def test_max_restarts_with_one_node_is_refused():
+    """torchrun --standalone is given no --max-restarts: on one node the train task relaunches instead."""
+    with pytest.raises(ValueError) as err:
+        run_config(max_restarts=5)
+    assert (
+        "train.max_restarts=5 would do nothing: train.num_nodes=1 trains on this node alone (torchrun --standalone, "
+        "whose workers torch does not restart); there the train task relaunches a failed launch that made progress, "
+        "from the newest complete checkpoint; remove it, or set train.num_nodes"
+    ) in str(err.value)
+    assert run_config(num_nodes="1:2", rdzv_endpoint="h", max_restarts=0).train.max_restarts == 0
 
 
 def test_the_rendezvous_id_is_the_runs_own_unless_given():

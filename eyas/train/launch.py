@@ -111,7 +111,15 @@ def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
     `--node-rank`: torch uses it only for the static rendezvous, and c10d ranks the nodes as they join. The agent
     on the endpoint's host serves the rendezvous store (torch's c10d backend sees the host is one of this
     machine's names or addresses); the others connect to it. `--rdzv-conf` keys are those of torch's
-    dynamic_rendezvous.create_handler: join_timeout, last_call_timeout (seconds)."""
+    dynamic_rendezvous.create_handler: join_timeout, last_call_timeout (seconds).
+
+    A node lost while training: the other agents' workers fail in their next collective with it, and each agent
+    (SimpleElasticAgent._invoke_run) stops its workers and, while it has `--max-restarts` left, re-runs the
+    rendezvous: once the lost node's keep-alive expired (torch's 3 heartbeats of 5 s) the nodes still there form
+    the next round, at least MIN of them within join_timeout, and their new workers resume from the newest
+    complete checkpoint at the smaller world size. Fewer than MIN: the agents exit non-zero
+    (RendezvousTimeoutError, `launch_failed` says so). The agent that hosts the store is the rendezvous itself:
+    losing it ends the job on every node."""
     launcher = [sys.executable, "-m", "torch.distributed.run"]
     per_node = f"--nproc_per_node={train.num_processes}"
     if train.num_nodes == 1:
@@ -124,6 +132,7 @@ def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
         f"--rdzv-endpoint={train.rdzv_endpoint}",
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=join_timeout={train.rdzv_join_timeout_s},last_call_timeout={train.rdzv_last_call_timeout_s}",
+        f"--max-restarts={train.max_restarts}",
     ]
 
 

@@ -465,6 +465,13 @@ class TrainConfig(StrictModel):
         "checked against its manifest checksum; shards the rank needs latest are evicted first. Must hold the "
         "largest shard; pair it with shuffle_window_shards",
     )
+    cache_dir: str = Field(
+        default="",
+        description="with cache_bytes > 0: an absolute directory on each node's own disk (the same path on every "
+        "node) that holds the ranks' shard caches, in a folder of the run's own (CACHE_DIR/RUN-HASH/rank-R); empty "
+        "= OUTPUT/shard-cache, which on several nodes lies on the shared volume: set it there, so that each node's "
+        "ranks cache on their node's disk",
+    )
     shuffle_window_shards: int = Field(
         default=0,
         ge=0,
@@ -585,6 +592,20 @@ class TrainConfig(StrictModel):
                 "alone (torchrun --standalone, whose workers torch does not restart); there the train task relaunches "
                 "a failed launch that made progress, from the newest complete checkpoint; remove it, or set "
                 "train.num_nodes"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cache_dir_is_used(self) -> "TrainConfig":
+        if self.cache_dir and not self.cache_bytes:
+            raise ValueError(
+                f"train.cache_dir={self.cache_dir!r} would do nothing: train.cache_bytes=0 trains from the local copy "
+                "of the shards, with no cache; set train.cache_bytes, or remove train.cache_dir"
+            )
+        if self.cache_dir and not self.cache_dir.startswith("/"):
+            raise ValueError(
+                f"train.cache_dir={self.cache_dir!r}: expected an absolute directory (each node resolves it on its own "
+                "disk, whatever its working directory); write e.g. '/local-nvme/eyas-cache'"
             )
         return self
 

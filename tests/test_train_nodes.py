@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_fixtures import AUX_LAYER_IDS, write_tiny_run
+from run_fixtures import AUX_LAYER_IDS, tiny_job, write_tiny_run
 from run_queries import logs, run_tree
 from safetensors.torch import load_file
-from test_multinode import free_port, run_agents
+from torchrun_agents import free_port, run_agents
 
-from eyas.config import RunConfig, load_run_config
+from eyas.config import RunConfig, TrainJob, load_run_config
 from eyas.facts import RunFacts
 from eyas.train.checkpoint import latest_complete, read_trainer_state
-from eyas.train.launch import JOB_FILE, train_job, write_train_job
+from eyas.train.launch import JOB_FILE, torchrun_launcher, train_job, write_train_job
 from eyas.train.node_agents import address_towards, node_agent_run, with_rendezvous_at
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,3 +157,54 @@ def test_a_further_node_refuses_another_job_than_its_config_gives(tiny_run, tmp_
     (config.paths.train_dir / JOB_FILE).unlink()
     with pytest.raises(FileNotFoundError, match="node 1: no job file at .* the first node writes it before"):
         node_agent_run(config, facts, 1, job_wait_s=0)
+
+
+def test_each_nodes_ranks_read_through_caches_on_their_own_disk(tiny_run, s3_endpoint, s3_bucket, tmp_path):
+    """Shards on S3, train.cache_dir a node-local path: 2 agents x 1 process train to the weights one agent of 2
+    reaches from the local shard copy, bit for bit, each rank's cache in the run's folder under cache_dir (none in
+    the shared output directory); the checkpoints rank 0 writes to the shared directory are what both restore."""
+    from eyas.storage.s3 import S3Storage
+    from eyas.train.setup import CACHE_DIR
+
+    store = S3Storage(f"s3://{s3_bucket}/shards", endpoint_url=s3_endpoint)
+    for path in sorted(p for p in Path(tiny_run["shards"]).rglob("*") if p.is_file()):  # as extraction leaves it
+        store.put_bytes(str(path.relative_to(tiny_run["shards"])), path.read_bytes())
+    largest = max(p.stat().st_size for p in Path(tiny_run["shards"]).rglob("*.safetensors"))
+    common = {"num_epochs": 1, "max_steps": STEPS, "global_batch_size": 8, "save_every_steps": 2,
+              "shuffle_window_shards": 1}  # fmt: skip
+
+    def job_file(root: Path, **train) -> Path:
+        job = tiny_job(tiny_run, root / "out", **common, **train)
+        if train.get("cache_bytes"):
+            job = job.model_copy(update={"shards_dir": store.url, "shards_endpoint_url": s3_endpoint})
+        path = root / "job.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(job.model_dump_json())
+        return path
+
+    local = tmp_path / "local-disk"
+    nodes = job_file(tmp_path / "nodes", num_processes=1, num_nodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                     cache_bytes=2 * largest, cache_dir=str(local))  # fmt: skip
+    cmd = [*torchrun_launcher(TrainJob.model_validate_json(nodes.read_text()).train, rdzv_id="eyas-test-caches"),
+           "-m", "eyas.train", "--config", str(nodes)]  # fmt: skip
+    run_agents([cmd, cmd], [tmp_path / "node-0.log", tmp_path / "node-1.log"])
+    one = job_file(tmp_path / "one", num_processes=2)
+    run_agents([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                 "eyas.train", "--config", str(one)]], [tmp_path / "one.log"])  # fmt: skip
+
+    a = load_file(latest_complete(tmp_path / "nodes" / "out") / "model.safetensors")
+    b = load_file(latest_complete(tmp_path / "one" / "out") / "model.safetensors")
+    assert sorted(a) == sorted(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
+    [run_cache] = local.iterdir()
+    assert sorted(p.name for p in run_cache.iterdir()) == ["rank-0", "rank-1"]
+    assert all(any(d.iterdir()) for d in run_cache.iterdir())  # each rank's cache held shards
+    assert not (tmp_path / "nodes" / "out" / CACHE_DIR).exists()
+
+
+def test_a_cache_dir_without_a_cache_or_not_absolute_is_refused():
+    from eyas.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"train.cache_dir='/nvme/c' would do nothing: train.cache_bytes=0 trains "):
+        TrainConfig(cache_dir="/nvme/c")
+    with pytest.raises(ValueError, match=r"train.cache_dir='nvme/c': expected an absolute directory \(each node"):
+        TrainConfig(cache_dir="nvme/c", cache_bytes=1 << 30)

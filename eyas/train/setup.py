@@ -8,6 +8,7 @@ order's shard windows, and the micro-batch budget (train.max_tokens_per_micro_ba
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,20 @@ def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
     return ShardSamples(
         open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url),
         max_samples=job.max_samples,
-        cache_dir=Path(job.output_dir) / CACHE_DIR / f"rank-{rank}",
+        cache_dir=cache_root(job) / f"rank-{rank}",
         cache_bytes=t.cache_bytes,
         log=lambda message: print(f"[eyas.train] rank {rank}: {message}", flush=True),
     )
+
+
+def cache_root(job: TrainJob) -> Path:
+    """Where the job's ranks keep their shard caches: OUTPUT/shard-cache, or under train.cache_dir (a node's own
+    disk) a folder named by a hash of the output directory, so that two runs on one node never share a cache (a
+    cache deletes every file that is not one of its run's shards)."""
+    if not job.train.cache_dir:
+        return Path(job.output_dir) / CACHE_DIR
+    run = hashlib.sha256(str(Path(job.output_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(job.train.cache_dir) / f"{Path(job.output_dir).parent.name}-{run}"
 
 
 def sample_windows(samples: ShardSamples, job: TrainJob) -> ShardWindows:

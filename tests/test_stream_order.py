@@ -1,9 +1,9 @@
 """The order a trainer first needs its shards (eyas.train.stream_order), held against what real trainer runs read
 (one process, and torchrun with 2 gloo ranks), and the extraction coordinator committing shards in that order.
 
-Cost, one core of this machine (CPU torch, the order's own cost first, then the split and the epoch's order that
-the trainer computes as well): 37,000 samples in 5,482 shards, windows of 8, 1% held out: 0.03 + 0.05 s;
-600,000 samples in 87,607 shards, windows of 8, 1% held out: 0.6 + 1.1 s (the uniform order: 0.6 s in all).
+Cost, one core of this (shared) machine, the order's own first, then the held-out split and the epoch's order
+that the trainer computes as well: 37,000 samples in 5,482 shards, windows of 8, 1% held out: 0.03 + 0.05 s;
+600,000 samples in 87,607 shards, windows of 8, 1% held out: 0.6 to 1.0 + 1.1 to 1.7 s.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     summary = run_extraction(config.extract, facts, target_dtype=config.target.dtype)   # threads here
     summary = run_extraction(..., launch=my_launch, progress=callback)     # workers started elsewhere
+    summary = run_extraction(..., shard_order=stream_order(plan, train).shards)   # the trainer's first needs first
 
     python -m eyas.extract --tokenized T.parquet --shards DIR --target MODEL [--num-workers 2]
 
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 from eyas.config import ExtractConfig
 from eyas.dataset.table import TokenizedDataset

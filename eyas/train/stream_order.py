@@ -95,10 +95,10 @@ def _train_needs(
     for epoch in range(math.ceil(last_step / per_epoch)):
         taken = min(per_epoch, last_step - epoch * per_epoch) * gbs
         positions = torch.tensor(global_order(num_train, train.seed, epoch, windows)[:taken])
-        first = _first_positions(shard_of_position[positions], starts.numel())
-        for shard in (first < taken).nonzero().flatten().tolist():
-            pos = int(first[shard])
-            needs.setdefault(shard, (epoch * per_epoch + pos // gbs + 1, TRAIN, pos % gbs))
+        first = _first_positions(shard_of_position[positions], starts.numel()).tolist()
+        for shard, pos in enumerate(first):
+            if pos < taken:
+                needs.setdefault(shard, (epoch * per_epoch + pos // gbs + 1, TRAIN, pos % gbs))
         if wanted <= needs.keys():
             break
     return needs
@@ -107,8 +107,11 @@ def _train_needs(
 def plan_windows(plan: Sequence[ShardPlan], train: TrainConfig, *, num_samples: int = 0) -> ShardWindows:
     """The shard windows of the training order (in TrainSplit.train_ids positions), from the plan's shard starts
     as the trainer builds them from the manifest's (eyas.train.setup.sample_windows, then TrainSplit.windows)."""
-    num_samples = num_samples or plan[-1].sample_end
-    split = TrainSplit.of(num_samples, train.eval_fraction)
+    split = TrainSplit.of(num_samples or plan[-1].sample_end, train.eval_fraction)
+    return _split_windows(split, plan, train)
+
+
+def _split_windows(split: TrainSplit, plan: Sequence[ShardPlan], train: TrainConfig) -> ShardWindows:
     return split.windows(shard_windows([p.sample_start for p in plan], train.shuffle_window_shards))
 
 
@@ -119,7 +122,7 @@ def stream_order(plan: Sequence[ShardPlan], train: TrainConfig, *, num_samples: 
     num_samples = num_samples or plan[-1].sample_end
     starts = torch.tensor([p.sample_start for p in plan])
     split = TrainSplit.of(num_samples, train.eval_fraction)
-    windows = plan_windows(plan, train, num_samples=num_samples)
+    windows = _split_windows(split, plan, train)
     last_step = total_steps(num_samples, train)
     needs = _train_needs(split, starts, train, last_step, windows)
     if split.eval_ids:

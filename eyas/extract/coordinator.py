@@ -2,6 +2,7 @@
 
     summary = run_extraction(config.extract, facts, target_dtype=config.target.dtype)   # threads here
     summary = run_extraction(..., launch=my_launch, progress=callback)     # workers started elsewhere
+    summary = run_extraction(..., shard_order=stream_order(plan, train).shards)   # the trainer's first needs first
 
     python -m eyas.extract --tokenized T.parquet --shards DIR --target MODEL [--num-workers 2]
 
@@ -19,13 +20,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from eyas.config import ExtractConfig
 from eyas.dataset.table import TokenizedDataset
-from eyas.extract.plan import assign_shards, describe_extraction, finish_extraction, resume_plan
+from eyas.extract.plan import (
+    assign_shards,
+    check_shard_order,
+    describe_extraction,
+    finish_extraction,
+    resume_plan,
+)
 from eyas.extract.worker import run_worker
 from eyas.facts import RunFacts
 from eyas.shards.format import ShardPlan
@@ -196,18 +204,25 @@ def run_extraction(
     store: Storage | None = None,
     progress: Callable[[dict], None] | None = None,
     poll_s: float = 2.0,
+    shard_order: Sequence[int] | None = None,
 ) -> ExtractSummary:
     """Extract every shard of the plan that the manifest does not list yet with `cfg.num_workers` workers on
     disjoint shard lists; return what was done. The target is loaded (once per worker) only when some
-    shard is missing. `store` overrides the run's storage (facts) for the coordinator and thread workers."""
+    shard is missing. `store` overrides the run's storage (facts) for the coordinator and thread workers.
+    `shard_order` (every planned shard once; default the plan's order) is the order the shards are dealt to
+    the workers in, round robin, and each worker extracts its list in that order (eyas.train.stream_order:
+    the order a trainer first needs them)."""
     t0 = time.perf_counter()
     store = facts.storage() if store is None else store
     with extraction_lock(store), ThreadPoolExecutor(max_workers=cfg.num_workers) as pool:
         run, plan = describe_extraction(cfg, facts, target_dtype=target_dtype)
+        if shard_order is not None:
+            check_shard_order(shard_order, len(plan))  # before resume_plan changes anything
         rp = resume_plan(store, run, plan)
         print(
             f"extraction plan: {len(plan)} shards, {len(rp.done)} done, {len(rp.todo)} to extract "
             f"({rp.strays_removed} interrupted writes removed, {rp.unlisted} unrecorded shards to rewrite)"
+            + (", in the given shard order" if shard_order is not None else "")
         )
         for reason in rp.quarantined:
             print(f"quarantined (extracted again): {reason}")
@@ -215,7 +230,7 @@ def run_extraction(
         on_shard = (lambda p: progress(tracker.shard_done(p))) if progress else None
         if progress:
             progress(tracker.snapshot())
-        parts = [part for part in assign_shards(rp.todo, cfg.num_workers) if part]
+        parts = [part for part in assign_shards(rp.todo, cfg.num_workers, order=shard_order) if part]
         start = launch or thread_launch(cfg, facts, target_dtype=target_dtype, store=store, pool=pool)
         results = follow_workers(start(parts, on_shard), tracker, progress, poll_s)
         tokens_total = finish_extraction(store, plan)

@@ -2,7 +2,7 @@
 
     run, plan = describe_extraction(cfg, facts, target_dtype="bfloat16")   # no I/O but one table column
     rp = resume_plan(store, run, plan)        # records or checks extract.json, cleans up, lists the missing
-    parts = assign_shards(rp.todo, num_workers)
+    parts = assign_shards(rp.todo, num_workers)                      # or order=: the trainer's first needs
     tokens = finish_extraction(store, plan)   # every planned shard has exactly one row
 
 The shard plan depends only on the dataset and `shard_bytes`, never on batch size, device or worker
@@ -12,6 +12,8 @@ files into the manifest and lists the shards without a row.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eyas.config import ExtractConfig
@@ -51,10 +53,41 @@ def describe_extraction(
     return run, plan
 
 
-def assign_shards(todo: list[int], num_workers: int) -> list[list[int]]:
-    """Disjoint shard lists, one per worker (round robin: every worker gets early and late shards)."""
+def check_shard_order(order: Sequence[int], num_shards: int) -> None:
+    """`order` lists each of the plan's `num_shards` shards exactly once."""
+    counts = Counter(order)
+    missing = [i for i in range(num_shards) if i not in counts]
+    duplicated = sorted(i for i, n in counts.items() if n > 1)
+    unknown = sorted(i for i in counts if not 0 <= i < num_shards)
+    if missing or duplicated or unknown:
+        found = [f"{what} {_shown(ids)}" for what, ids in (("missing", missing), ("listed twice", duplicated),
+                 ("not in the plan", unknown)) if ids]  # fmt: skip
+        raise ValueError(
+            f"shard order: {len(order)} entries, expected each of the plan's {num_shards} shards (0..{num_shards - 1}) "
+            f"once; {'; '.join(found)}; compute the order over this plan (eyas.train.stream_order)"
+        )
+
+
+def _shown(ids: list[int]) -> str:
+    return "[" + ", ".join(f"{i:05d}" for i in ids[:20]) + (" ..." if len(ids) > 20 else "") + "]"
+
+
+def assign_shards(todo: list[int], num_workers: int, *, order: Sequence[int] | None = None) -> list[list[int]]:
+    """Disjoint shard lists, one per worker, dealt round robin (every worker gets early and late shards) from
+    `todo` in plan order, or in `order` (every planned shard once, check_shard_order) when given: with the order
+    a trainer first needs the shards (eyas.train.stream_order), the first W shards it needs are the first ones
+    of the W workers."""
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers}: expected >= 1")
+    if order is not None:
+        position = {shard: k for k, shard in enumerate(order)}
+        absent = [i for i in todo if i not in position]
+        if absent:
+            raise ValueError(
+                f"shard order: {len(absent)} shards to extract are not in it ({_shown(absent)}); expected every "
+                f"planned shard once; compute the order over this plan (eyas.train.stream_order)"
+            )
+        todo = sorted(todo, key=position.__getitem__)
     return [todo[k::num_workers] for k in range(num_workers)]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -38,6 +39,12 @@ class ShardWindows:
 
 
 UNIFORM = ShardWindows()
+
+
+def shard_windows(shard_starts: Sequence[int], size: int) -> ShardWindows:
+    """The order's windows over shards whose first samples are `shard_starts` (the manifest's rows, or the shard
+    plan's before extraction), `size` = train.shuffle_window_shards; UNIFORM when 0."""
+    return ShardWindows(tuple(shard_starts), size) if size else UNIFORM
 
 
 @lru_cache(maxsize=4)

@@ -22,7 +22,7 @@ from eyas.shards.read_checks import NodeReadChecks
 from eyas.shards.reader import ShardSamples
 from eyas.storage import open_storage
 from eyas.target import load_embed_and_lm_head, target_fingerprint
-from eyas.train.data import UNIFORM, ShardWindows
+from eyas.train.data import ShardWindows, shard_windows
 from eyas.train.memory_plan import GIB, PlanShape, device_bytes, pick_micro_batch_tokens, plan_memory
 from eyas.train.parallel import Dist
 from eyas.train.step import use_bf16
@@ -81,8 +81,7 @@ def cache_root(job: TrainJob) -> Path:
 
 def sample_windows(samples: ShardSamples, job: TrainJob) -> ShardWindows:
     """The order's shard windows (train.shuffle_window_shards; UNIFORM when 0)."""
-    size = job.train.shuffle_window_shards
-    return ShardWindows(samples.shard_starts(), size) if size else UNIFORM
+    return shard_windows(samples.shard_starts(), job.train.shuffle_window_shards)
 
 
 def build_setup(job: TrainJob, rank: int = 0) -> TrainSetup:

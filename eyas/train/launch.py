@@ -28,6 +28,7 @@ from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_stat
 from eyas.train.data import total_steps
 from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
 from eyas.train.metrics import parse_metric_line
+from eyas.train.nodes import clear_stop, raise_if_stopped
 from eyas.train.preflight import record_launch
 
 JOB_FILE = "job.json"
@@ -237,6 +238,7 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
     cmd = torchrun_command(config, job_path)
     started_from = latest_complete(train_dir)
     clear_failures(train_dir)  # the records of an earlier launch
+    clear_stop(train_dir)  # a stop asked for before this launch is not for it (eyas.train.nodes)
     print(describe_start(started_from, config))
     print(f"launching: {format_command(cmd)}")
     log_path = train_dir / LOG_FILE
@@ -252,6 +254,7 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
             record = parse_metric_line(line)
             if record is not None and on_metric is not None:
                 on_metric(record)
+    raise_if_stopped(train_dir, proc.returncode)  # on `eyas stop`: TrainingStopped, never relaunched
     if proc.returncode != 0:
         raise launch_failed(proc.returncode, train_dir, started_from=started_from)
     return json.loads((train_dir / FINAL_FILE).read_text())

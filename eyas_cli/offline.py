@@ -122,7 +122,7 @@ def show_target(args: argparse.Namespace) -> int:
 
 def run_stop(args: argparse.Namespace) -> int:
     need_directory("eyas stop", args.train_dir, "a run's train directory (RUN/train)")
-    from eyas.train.nodes import SILENT_AFTER_S, STOP_FILE, describe_node
+    from eyas.train.nodes import NODES_DIR, SILENT_AFTER_S, STOP_FILE, describe_node
     from eyas.train.preflight import STOP_WAIT_S, stop_job
 
     train_dir = Path(args.train_dir)
@@ -140,7 +140,7 @@ def run_stop(args: argparse.Namespace) -> int:
         print(f"no process recorded in {train_dir} is running")
     if not done["nodes"] and not done["exited"] and not done["killed"]:
         print(
-            f"no job was found running: no node wrote a record in {train_dir / 'nodes'} in the last "
+            f"no job was found running: no node recorded in {train_dir / NODES_DIR} was seen training in the last "
             f"{SILENT_AFTER_S:.0f} s; the request stays until the next launch, which clears it when it starts (a "
             "launch never starts stopped)"
         )

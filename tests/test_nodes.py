@@ -126,3 +126,19 @@ def test_a_stop_request_names_who_asked_and_a_launch_clears_it(tmp_path):
     assert stop_text({**request, "stopped_at_step": 1200}).startswith("stopped by `eyas stop` at step 1,200 (")
     clear_stop(tmp_path)
     assert read_stop(tmp_path) is None
+
+
+def test_a_stop_with_no_job_running_says_the_next_launch_clears_it(tmp_path, capsys):
+    from eyas_cli.main import main
+
+    write_node(tmp_path, 0, "L1", step=40, state="finished")  # the last launch ended
+    assert main(["stop", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"stop requested in {tmp_path / 'stop.json'}: every rank of the job, on every node,")
+    assert out[1:3] == [
+        f"no process recorded in {tmp_path} is running",
+        f"no job was found running: no node recorded in {tmp_path / NODES_DIR} was seen training in the last "
+        f"{SILENT_AFTER_S:.0f} s; the request stays until the next launch, which clears it when it starts (a launch "
+        "never starts stopped)",
+    ]
+    assert read_stop(tmp_path)["requested_by"]

@@ -167,8 +167,8 @@ def test_the_launcher_raises_on_a_stopped_run_and_names_the_checkpoint_to_resume
     with pytest.raises(TrainingStopped) as killed:
         raise_if_stopped(tmp_path, -15)
     assert str(killed.value).startswith(
-        "training stopped by `eyas stop` (requested by ana on login-1 at 2026-01-02T03:04:05+00:00): its processes "
-        "were killed, torchrun exited with -15; "
+        "training stopped by `eyas stop` (requested by ana on login-1 at 2026-01-02T03:04:05+00:00): torchrun exited "
+        "with -15 before its ranks stopped (torchrun.log says how); "
     )
     assert str(killed.value).endswith("to start again from step 0 (no complete checkpoint)")
     record = {**json.loads((tmp_path / STOP_FILE).read_text()), "stopped_at_step": 12, "checkpoint": "/c/step-12"}

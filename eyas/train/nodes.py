@@ -240,7 +240,7 @@ def raise_if_stopped(train_dir: Path, returncode: int) -> None:
     else:
         from eyas.train.checkpoint import latest_complete
 
-        how = f"({asked}): its processes were killed, torchrun exited with {returncode}"
+        how = f"({asked}): torchrun exited with {returncode} before its ranks stopped (torchrun.log says how)"
         checkpoint = latest_complete(train_dir)
     resume = f"resume from {checkpoint}" if checkpoint else "start again from step 0 (no complete checkpoint)"
     raise TrainingStopped(

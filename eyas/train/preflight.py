@@ -112,7 +112,8 @@ def stop_recorded(train_dir: Path, *, grace_s: float = 10.0) -> list[int]:
 def stop_job(train_dir: Path, *, wait_s: float = STOP_WAIT_S, grace_s: float = 10.0) -> dict:
     """Stop the job training in `train_dir` on every node: write the stop request (every rank stops after the same
     step and saves a checkpoint there), wait while this machine's recorded launchers live and their job's nodes
-    still report (at most wait_s), then stop those still alive as `stop_recorded` does.
+    still report (at most wait_s), then stop those still alive as `stop_recorded` does: a launcher whose job has
+    no node reporting (still starting, or hung) is signalled at once.
 
     Returns {"request", "nodes": the newest launch's nodes alive when asked, "exited": recorded launchers that
     ended on their own, "killed": those stopped by a signal}."""

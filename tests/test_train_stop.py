@@ -1,12 +1,14 @@
 """`eyas stop` and `eyas status` on a job of two torchrun agents ("nodes") on loopback, 1 gloo process each, that
 share one train directory: the status lists both nodes with their ranks while they train; the stop, run with only
 one agent's launcher in the train directory's registry, stops both at the same step with a complete checkpoint
-there; a resume then trains to the end with one metric record per step."""
+there; a resume then trains to the end with one metric record per step. And the launcher (train_run, one real
+torchrun agent): a stop ends it with TrainingStopped, and the next launch clears the request and resumes."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,12 +19,15 @@ import pytest
 from run_fixtures import tiny_job, write_tiny_run
 from test_multinode import free_port
 
+from eyas.config import load_run_config
+from eyas.facts import RunFacts
 from eyas.fsio import TMP_MARKER
 from eyas.status.report import run_status
+from eyas.target import TargetFacts
 from eyas.train.checkpoint import CHECKPOINTS_DIR, latest_complete, read_trainer_state
-from eyas.train.launch import JOB_FILE, torchrun_launcher
+from eyas.train.launch import JOB_FILE, torchrun_launcher, train_run
 from eyas.train.metrics import METRICS_FILE
-from eyas.train.nodes import STOP_FILE, TrainingStopped, clear_stop, raise_if_stopped, read_stop
+from eyas.train.nodes import STOP_FILE, TrainingStopped, clear_stop, raise_if_stopped, read_stop, request_stop
 from eyas.train.preflight import record_launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,3 +184,43 @@ def test_the_launcher_raises_on_a_stopped_run_and_names_the_checkpoint_to_resume
         "training stopped by `eyas stop` at step 12 (requested by ana on login-1 at 2026-01-02T03:04:05+00:00); the "
         f"request: {tmp_path / STOP_FILE}; run `eyas train CONFIG` with this run's config to resume from /c/step-12"
     )
+
+
+def run_over(run: dict, workdir: Path, **train) -> tuple:
+    """(RunConfig, RunFacts) of the tiny preset trained on the synthetic run `run` (its target stub, vocab and
+    shards), one agent of one process, with the tiny job's draft and these train settings."""
+    job = tiny_job(run, workdir / "train", num_processes=1, **train)
+    preset = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    target = preset.target.model_copy(update={"model_path": str(run["target"])})
+    config = preset.model_copy(
+        update={"workdir": str(workdir), "target": target, "draft": job.draft, "train": job.train}
+    )
+    config.paths.vocab.parent.mkdir(parents=True)
+    shutil.copy(run["vocab"], config.paths.vocab)
+    facts = RunFacts(target=TargetFacts.read(run["target"]), aux_layer_ids=job.aux_layer_ids, tokenized_path="",
+                     dataset_hash="h", num_samples=32, shards_dir=str(run["shards"]), storage_url=str(run["shards"]))  # fmt: skip
+    return config, facts
+
+
+def test_the_launcher_raises_on_a_stop_and_the_next_launch_clears_it_and_resumes(tmp_path):
+    """train_run under a real torchrun: a stop requested as step 3's record arrives (what `eyas stop` writes first)
+    ends the launch with TrainingStopped naming the step and checkpoint; the next train_run clears the request
+    and trains from that checkpoint to the last step."""
+    config, facts = run_over(write_tiny_run(tmp_path / "data", num_samples=32), tmp_path / "run", num_epochs=1000,
+                             max_steps=120, save_every_steps=1000)  # fmt: skip
+    train_dir = config.paths.train_dir
+
+    def stop_at_step_3(record: dict) -> None:
+        if record["step"] == 3:
+            request_stop(train_dir)
+
+    with pytest.raises(TrainingStopped) as stopped:
+        train_run(config, facts, on_metric=stop_at_step_3)
+    step = read_stop(train_dir)["stopped_at_step"]
+    checkpoint = train_dir / CHECKPOINTS_DIR / f"step-{step:08d}"
+    assert 3 <= step < 120 and str(stopped.value).startswith(f"training stopped by `eyas stop` at step {step} (")
+    assert str(stopped.value).endswith(f"run `eyas train CONFIG` with this run's config to resume from {checkpoint}")
+    assert latest_complete(train_dir) == checkpoint and not (train_dir / "final.json").exists()
+    final = train_run(config, facts)
+    assert read_stop(train_dir) is None and final["step"] == 120
+    assert metric_steps(train_dir) == list(range(1, 121))

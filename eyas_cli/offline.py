@@ -122,8 +122,29 @@ def show_target(args: argparse.Namespace) -> int:
 
 def run_stop(args: argparse.Namespace) -> int:
     need_directory("eyas stop", args.train_dir, "a run's train directory (RUN/train)")
-    from eyas.train.preflight import stop_recorded
+    from eyas.train.nodes import NODES_DIR, SILENT_AFTER_S, STOP_FILE, describe_node
+    from eyas.train.preflight import STOP_WAIT_S, stop_job
 
-    stopped = stop_recorded(Path(args.train_dir))
-    print(f"stopped {stopped}" if stopped else f"no process recorded in {args.train_dir} is running")
+    train_dir = Path(args.train_dir)
+    print(f"stop requested in {train_dir / STOP_FILE}: every rank of the job, on every node, stops after its current "
+          f"step, saves a checkpoint there and exits; the launchers recorded here get up to {STOP_WAIT_S:.0f} s to end "
+          "while their job's nodes report", flush=True)  # fmt: skip
+    done = stop_job(train_dir)
+    for node in done["nodes"]:
+        print(f"  {describe_node(node)}")
+    if done["exited"]:
+        print(f"exited after the stop: {done['exited']}")
+    if done["killed"]:
+        print(f"stopped {done['killed']} with SIGTERM (SIGKILL after 10 s): not ended on its own")
+    if not done["exited"] and not done["killed"]:
+        print(f"no process recorded in {train_dir} is running")
+    if not done["nodes"] and not done["exited"] and not done["killed"]:
+        print(
+            f"no job was found running: no node recorded in {train_dir / NODES_DIR} was seen training in the last "
+            f"{SILENT_AFTER_S:.0f} s; the request stays until the next launch, which clears it when it starts (a "
+            "launch never starts stopped)"
+        )
+    print(
+        "`eyas status` shows the nodes and where they stopped; `eyas train CONFIG` resumes from the newest checkpoint"
+    )
     return 0

@@ -27,6 +27,7 @@ from eyas.shards.encoding import extract_encoding
 from eyas.shards.manifest import MANIFEST_NAME
 from eyas.shards.shard_set import LOCK_NAME, QUARANTINE_DIR, RUN_META_NAME, ExtractRunMeta, shard_set_state
 from eyas.status.launches import LAUNCHES_DIR, TAG_PREFIX
+from eyas.status.nodes import job_summary, stop_text
 from eyas.status.training import recorded_failure, set_aside_text
 from eyas.storage import LocalStorage
 from eyas.train.checkpoint import CHECKPOINTS_DIR, FINAL_FILE, read_best, train_state
@@ -34,6 +35,7 @@ from eyas.train.data import total_steps
 from eyas.train.failure import FAILURES_DIR
 from eyas.train.launch import JOB_FILE, LOG_FILE
 from eyas.train.metrics import METRICS_FILE, last_metrics
+from eyas.train.nodes import STOP_FILE
 from eyas.train.preflight import REGISTRY, alive_recorded
 from eyas.train.smoke import SMOKE_FILE, read_smoke_result
 from eyas.verify.report import read_verify_report
@@ -226,6 +228,7 @@ def probe_train(ctx: Context) -> tuple[str, str, str]:
         "planned_steps": planned,
         "running_pids": [e["pid"] for e in alive],
         "incomplete_checkpoints": state.num_incomplete,
+        "nodes": job_summary(train_dir),  # the newest launch's nodes (eyas.train.nodes), on any machine
     }
     if latest is not None:
         ts = state.trainer_state
@@ -254,12 +257,12 @@ def train_stage(ctx: Context, state, info: dict, metrics: dict | None, alive: li
     train_dir, planned, latest = ctx.paths.train_dir, info["planned_steps"], state.latest
     of = f" of {planned:,}" if planned else ""
     at = f"newest complete checkpoint step {info['step']:,}{of}" if latest else "no complete checkpoint"
-    if alive:
-        return (
-            RUNNING,
-            f"trainer running (pid {', '.join(map(str, info['running_pids']))}); {at}",
-            ctx.rel(train_dir / REGISTRY),
-        )
+    nodes, stop = info["nodes"], info["nodes"]["stop"]
+    if alive or nodes["alive"]:
+        where = f"pid {', '.join(map(str, info['running_pids']))}" if alive else "no launcher recorded on this host"
+        on = f" on {nodes['alive']} node(s)" if nodes["alive"] else ""
+        asked = f"; {stop_text(stop)}" if stop else ""
+        return RUNNING, f"trainer running{on} ({where}); {at}{asked}", ctx.rel(train_dir / REGISTRY)
     failure = recorded_failure(train_dir)
     if failure is not None:
         info["failure"] = failure
@@ -270,6 +273,8 @@ def train_stage(ctx: Context, state, info: dict, metrics: dict | None, alive: li
             loss = final.get("final_loss")
             loss_text = f", loss {loss:.3f}" if isinstance(loss, (int, float)) else ""
             return DONE, f"finished at step {final['step']:,}{loss_text}", ctx.rel(train_dir / FINAL_FILE)
+    if stop and "stopped_at_step" in stop:
+        return PARTIAL, f"{stop_text(stop)}; {at}; a re-run resumes from the checkpoint", ctx.rel(train_dir / STOP_FILE)
     if latest is None and metrics is None and not (train_dir / LOG_FILE).is_file():
         return NOT_STARTED, "not started", ctx.rel(train_dir / CHECKPOINTS_DIR)
     last = f"; last logged step {metrics['step']:,}" if metrics else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from eyas.config import RunConfig
 from eyas.gate import memory
+from eyas.status.nodes import node_lines
 from eyas.status.probes import READ_ERRORS
 
 
@@ -92,6 +93,7 @@ def progress_lines(p: dict, config: RunConfig | None) -> list[str]:
         )
     if t.get("last_metrics"):
         lines.append(metrics_line(t["last_metrics"]))
+    lines += node_lines(t)
     if t.get("eval"):
         e, best = t["eval"], t.get("best")
         lines.append(

@@ -30,6 +30,7 @@ from eyas.train.data import total_steps
 from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
 from eyas.train.metrics import parse_metric_line
 from eyas.train.node_agents import MetricsFollower
+from eyas.train.nodes import clear_stop, raise_if_stopped
 from eyas.train.preflight import record_launch
 
 JOB_FILE = "job.json"
@@ -258,6 +259,7 @@ def train_run(
     cmd = torchrun_command(config, job_path)
     started_from = latest_complete(train_dir)
     clear_failures(train_dir)  # the records of an earlier launch
+    clear_stop(train_dir)  # a stop asked for before this launch is not for it (eyas.train.nodes)
     print(describe_start(started_from, config))
     print(f"launching: {format_command(cmd)}")
     several = config.train.num_nodes != 1
@@ -277,6 +279,7 @@ def train_run(
             record = None if several else parse_metric_line(line)
             if record is not None and on_metric is not None:
                 on_metric(record)
+    raise_if_stopped(train_dir, proc.returncode)  # on `eyas stop`: TrainingStopped, never relaunched
     if proc.returncode != 0:
         raise launch_failed(proc.returncode, train_dir, started_from=started_from)
     return json.loads((train_dir / FINAL_FILE).read_text())

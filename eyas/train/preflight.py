@@ -9,7 +9,8 @@ cores this process may use (each gloo rank computes on its own core; more ranks 
 step waits on the slowest), and records the plan. Either way no process that an
 earlier eyas launch recorded is still alive: eyas records each launcher it starts (PID and kernel start time, so a
 reused PID is never mistaken for it) in `processes.json` of the train directory, and `stop_recorded` stops those
-and only those.
+and only those. `stop_job` (`eyas stop`) first asks every rank of the job, on every node, to stop after its current
+step (eyas.train.nodes) and gives this machine's launchers the time to end on their own.
 
     report = preflight_run(config, facts)     # raises PreflightFailed listing every problem
     report.to_dict()                          # backend, devices (torch's rows), torch, plan, problems, ok
@@ -29,11 +30,13 @@ from typing import TYPE_CHECKING
 from eyas.config import RunConfig, TrainConfig
 from eyas.fsio import atomic_write_text
 from eyas.train.devices import MIB, DeviceQueryFailed, query_devices, usable_cores
+from eyas.train.nodes import SILENT_AFTER_S, job_nodes, request_stop
 
 if TYPE_CHECKING:
     from eyas.facts import RunFacts
 
 REGISTRY = "processes.json"
+STOP_WAIT_S = 600.0  # the longest `eyas stop` waits for a job that still reports: a step and a checkpoint save
 
 
 @dataclass
@@ -55,12 +58,14 @@ class PreflightReport:
 
 
 def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` in clock ticks (field 22 of /proc/PID/stat); None if gone."""
+    """The kernel's start time of `pid` in clock ticks (field 22 of /proc/PID/stat); None if gone, or exited and not
+    yet reaped by its parent (a zombie, state Z: it runs nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def record_launch(train_dir: Path, pid: int, cmd: list[str]) -> None:
@@ -102,6 +107,32 @@ def stop_recorded(train_dir: Path, *, grace_s: float = 10.0) -> list[int]:
     for entry in alive_recorded(train_dir):
         os.killpg(entry["pid"], signal.SIGKILL)
     return [e["pid"] for e in targets]
+
+
+def stop_job(train_dir: Path, *, wait_s: float = STOP_WAIT_S, grace_s: float = 10.0) -> dict:
+    """Stop the job training in `train_dir` on every node: write the stop request (every rank stops after the same
+    step and saves a checkpoint there), wait while this machine's recorded launchers live and their job's nodes
+    still report (at most wait_s), then stop those still alive as `stop_recorded` does: a launcher whose job has
+    no node reporting (still starting, or hung) is signalled at once.
+
+    Returns {"request", "nodes": the newest launch's nodes alive when asked, "exited": recorded launchers that
+    ended on their own, "killed": those stopped by a signal}."""
+    request = request_stop(train_dir)
+    launchers = [e["pid"] for e in alive_recorded(train_dir)]
+    nodes = [n for n in job_nodes(train_dir)["nodes"] if n["alive"]]
+    deadline = time.monotonic() + wait_s
+    while alive_recorded(train_dir) and time.monotonic() < deadline and job_reports(train_dir):
+        time.sleep(0.5)
+    killed = stop_recorded(train_dir, grace_s=grace_s)
+    return {"request": request, "nodes": nodes, "exited": [p for p in launchers if p not in killed], "killed": killed}
+
+
+def job_reports(train_dir: Path) -> bool:
+    """A node of the newest launch is alive, is saving a checkpoint (which may outlast SILENT_AFTER_S at scale), or
+    said it stopped within SILENT_AFTER_S (its launcher is ending)."""
+    nodes = job_nodes(train_dir)["nodes"]
+    recent = [n for n in nodes if n["state"] == "stopped" and n["seen_s_ago"] <= SILENT_AFTER_S]
+    return bool(recent) or any(n["alive"] or n["state"] == "saving" for n in nodes)
 
 
 def device_preflight(train: TrainConfig, train_dir: Path, found: dict | None = None) -> PreflightReport:

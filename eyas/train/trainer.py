@@ -25,6 +25,10 @@ With `train.cache_bytes` > 0 every rank reads the shards from storage through it
 position to the last step (eyas.train.data.rank_schedule), so the cache fetches ahead of the order; with
 `train.shuffle_window_shards` the order is shard-local. A cached run trains on the same bytes as one from a
 local copy: the same weights, bit for bit.
+
+Each node's local rank 0 records its node in `output_dir/nodes/` for `eyas status`, and `eyas stop` ends the run on
+every rank after the same step (eyas.train.nodes), with a checkpoint saved at that step: what was trained since the
+last one is kept and a resume continues from there, and the save is the same atomic one as any other.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from eyas.train.data import TrainSplit, rank_schedule, rank_slice, total_steps
 from eyas.train.evaluate import EVAL_KEYS, add_stats, summarize_eval
 from eyas.train.input_pipeline import InputPipeline, RankSteps, host_micro_batches, to_device
 from eyas.train.metrics import emit_metrics, truncate_metrics
+from eyas.train.nodes import NodeRecorder, StopWatch, agree_launch_id, record_stopped
 from eyas.train.parallel import Dist, full_model_state, full_optimizer_state, parallelize, reshard
 from eyas.train.setup import TrainSetup, build_setup, micro_batch_budget, sample_windows
 from eyas.train.step import TTTObjective, make_optimizer, make_scheduler, reduce_stats, train_step, use_bf16
@@ -158,6 +163,8 @@ class Trainer:
             update_best(self.output_dir)  # mends a marker a kill left behind its newest checkpoint
         self.checkpoint = state["checkpoint"]
         self.tensorboard = TensorBoardLog(self.output_dir, self.step) if t.tensorboard and ctx.rank == 0 else None
+        self.nodes = NodeRecorder(self.output_dir, agree_launch_id(ctx.rank))
+        self.stop_watch = StopWatch(self.output_dir, ctx.device)
         schedule = rank_schedule(self.consumed, self.last_step, self.num_train, t, ctx.rank, ctx.world, self.windows)
         self.setup.samples.plan([self.split.train_ids[i] for i in schedule])
 
@@ -333,13 +340,18 @@ class Trainer:
             + ", "
             f"world size {self.ctx.world}, {self.train_config.parallelism}",
         )
-        start = time.monotonic()
+        start, stopped = time.monotonic(), False
         pipeline = self.input_pipeline()
+        self.nodes.write(self.step, "training")
         try:
-            while self.step < self.last_step:
+            while self.step < self.last_step and not stopped:
                 record = self.train_one_step(start, pipeline)
-                if self.saves_now():
+                # every rank, every step: a stop requested mid-run ends it here on all ranks (a save included)
+                stopped = self.stop_watch.agreed() and self.step < self.last_step
+                if self.saves_now() or stopped:
+                    self.nodes.write(self.step, "saving")
                     self.save(record["epoch"])
+                self.nodes.update(self.step)
         finally:
             pipeline.stop()
             self.setup.samples.close()  # after stop: a read waiting on the shard cache is released
@@ -348,12 +360,23 @@ class Trainer:
                 self.tensorboard.close()
         if self.setup.samples.read_checks is not None:  # every rank: what it hashed and what it took on trust
             print(f"[eyas.train] rank {self.ctx.rank}: {self.setup.samples.read_checks.stats.summary()}", flush=True)
+        self.nodes.write(self.step, "stopped" if stopped else "finished")
+        if stopped:
+            return self.stopped()
         final = {"checkpoint": self.checkpoint, "step": self.step, "final_loss": self.loss}
         if self.ctx.rank == 0:
             final["best"] = read_best(self.output_dir)
             write_final(self.output_dir, final)
             log(self.ctx, f"done: step {self.step}, loss {self.loss}, checkpoint {self.checkpoint}")
         return final
+
+    def stopped(self) -> dict:
+        """Every rank stopped on `eyas stop` after the same step, whose checkpoint is saved: no final.json; rank 0
+        adds the step to the stop request, which the launcher reads (eyas.train.nodes)."""
+        if self.ctx.rank == 0:
+            record_stopped(self.output_dir, step=self.step, checkpoint=self.checkpoint)
+            log(self.ctx, f"stopped by `eyas stop` at step {self.step}; checkpoint {self.checkpoint}")
+        return {"stopped_at_step": self.step, "checkpoint": self.checkpoint}
 
 
 def train(job: TrainJob, ctx: Dist) -> dict:

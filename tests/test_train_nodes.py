@@ -208,3 +208,16 @@ def test_a_cache_dir_without_a_cache_or_not_absolute_is_refused():
         TrainConfig(cache_dir="/nvme/c")
     with pytest.raises(ValueError, match=r"train.cache_dir='nvme/c': expected an absolute directory \(each node"):
         TrainConfig(cache_dir="nvme/c", cache_bytes=1 << 30)
+
+
+def test_another_hosts_launcher_in_the_shared_registry_is_not_this_hosts(tmp_path):
+    """On several nodes the train directory's registry is shared: a PID recorded by another host is never taken for
+    a process of this one (which `eyas stop` would signal)."""
+    import json
+
+    from eyas.train.preflight import REGISTRY, alive_recorded, record_launch
+
+    record_launch(tmp_path, os.getpid(), ["this", "process"])
+    entries = json.loads((tmp_path / REGISTRY).read_text())
+    (tmp_path / REGISTRY).write_text(json.dumps([*entries, {**entries[0], "host": "another-node"}]))
+    assert [(e["pid"], e["host"]) for e in alive_recorded(tmp_path)] == [(os.getpid(), entries[0]["host"])]

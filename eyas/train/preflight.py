@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -74,6 +75,7 @@ def record_launch(train_dir: Path, pid: int, cmd: list[str]) -> None:
     entries.append(
         {
             "pid": pid,
+            "host": socket.gethostname(),  # on several nodes the registry is shared: a PID means this host's
             "start_time": process_start_time(pid),
             "cmd": cmd,
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -88,11 +90,15 @@ def read_registry(train_dir: Path) -> list[dict]:
 
 
 def alive_recorded(train_dir: Path) -> list[dict]:
-    """Recorded launchers still running: same PID and the same kernel start time."""
+    """Recorded launchers of this host still running: same PID and the same kernel start time (another node's
+    launchers are that node's: `eyas stop` stops them through the job's stop request)."""
+    here = socket.gethostname()
     return [
         e
         for e in read_registry(train_dir)
-        if e["start_time"] is not None and process_start_time(e["pid"]) == e["start_time"]
+        if e.get("host", here) == here
+        and e["start_time"] is not None
+        and process_start_time(e["pid"]) == e["start_time"]
     ]
 
 

@@ -64,7 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     approve.add_argument("--reviewer", default=getpass.getuser())
     inspect = sub.add_parser("inspect", help="audit a drafter checkpoint directory")
     inspect.add_argument("path")
-    stop = sub.add_parser("stop", help="stop the training processes eyas recorded in a train directory")
+    stop = sub.add_parser(
+        "stop",
+        help="stop a training job on every node (a stop request all ranks agree on, a checkpoint at that step), "
+        "then this host's recorded launchers if they have not left",
+    )
     stop.add_argument("train_dir")
     status = sub.add_parser("status", help="where a run stands: stages, progress, next command, files")
     status.add_argument(

@@ -9,7 +9,8 @@ type, the message, where it was raised) and the log's path, and which records wh
 further than it started (a newer complete checkpoint) and whether its cause would end the same way
 again (`deterministic`), so that a caller relaunches only a trainer that made progress on a failure
 another launch could outlive. Every launcher is recorded in the train directory's process registry
-(eyas.train.preflight), so `eyas stop` stops it and only it.
+(eyas.train.preflight) with its host; `eyas stop` asks every rank of every node to stop at the same step
+(eyas.train.nodes), and a stopped launch raises TrainingStopped, which is not relaunched.
 """
 
 from __future__ import annotations

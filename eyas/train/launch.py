@@ -269,7 +269,9 @@ def train_run(config: RunConfig, facts: RunFacts, *, on_metric: Callable[[dict],
 def launch_failed(returncode: int, train_dir: Path, *, started_from: Path | None) -> TorchrunFailed:
     """The failure of a launch that exited non-zero: the first failing rank's exception and where it was
     raised, the other ranks that failed, the checkpoints, the log's path; without any rank's record (a rank
-    killed by a signal, torchrun itself failing) the log's last lines instead."""
+    killed by a signal, torchrun itself failing) the log's last lines instead. An agent that gave up on the
+    rendezvous (a node lost below MIN, or never started) is named first: the ranks' records then only say
+    that their peers went away."""
     log_path, newest = train_dir / LOG_FILE, latest_complete(train_dir)
     checkpoints = (
         f"started from {started_from.name if started_from else 'step 0'}, newest complete checkpoint now "
@@ -280,17 +282,40 @@ def launch_failed(returncode: int, train_dir: Path, *, started_from: Path | None
     except ValueError as e:
         failures, unreadable = [], f" ({e})"
     first = first_failure(failures)
+    tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:]) if log_path.is_file() else "(no log)\n"
+    rendezvous = f"{rendezvous_timed_out(train_dir, newest)}; " if RENDEZVOUS_TIMEOUT in tail else ""
     if first is None:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         return TorchrunFailed(
-            f"torchrun exited with {returncode} and no rank recorded an exception{unreadable} ({checkpoints}); "
-            f"last lines of {log_path}:\n{tail}",
+            f"{rendezvous}torchrun exited with {returncode} and no rank recorded an exception{unreadable} "
+            f"({checkpoints}); last lines of {log_path}:\n{tail}",
             started_from=started_from,
             newest=newest,
         )
+    before = "before that, " if rendezvous else ""
     return TorchrunFailed(
-        f"{describe_failures(failures)}; torchrun exited with {returncode} ({checkpoints}); the whole log: {log_path}",
+        f"{rendezvous}{before}{describe_failures(failures)}; torchrun exited with {returncode} ({checkpoints}); the "
+        f"whole log: {log_path}",
         started_from=started_from,
         newest=newest,
         failure=first,
+    )
+
+
+# The last line of torchrun's traceback when an agent's rendezvous could not complete within join_timeout
+# (torch.distributed.elastic.rendezvous.dynamic_rendezvous: fewer than MIN nodes joined the round).
+RENDEZVOUS_TIMEOUT = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
+
+
+def rendezvous_timed_out(train_dir: Path, newest: Path | None) -> str:
+    """Why a launch whose agent raised RendezvousTimeoutError failed, from the launch's job file: how many nodes
+    it needs, how long it waited, and what resumes it."""
+    train = TrainJob.model_validate_json((train_dir / JOB_FILE).read_text()).train
+    low, _ = train.node_range
+    resumes = f"from {newest.name}, the newest complete checkpoint" if newest else "from step 0 (no checkpoint yet)"
+    return (
+        f"the rendezvous of train.num_nodes={train.num_nodes!r} at {train.rdzv_endpoint} failed: fewer than {low} "
+        f"nodes (its MIN) joined within train.rdzv_join_timeout_s={train.rdzv_join_timeout_s} (torch's "
+        f"RendezvousTimeoutError: a node was lost and too few were left, or not all were started); start the "
+        f"agent of every missing node (the same command and config on each) and retry: training resumes {resumes} "
+        f"once {low} nodes are back; or give train.num_nodes a lower MIN ('MIN:MAX') to go on with fewer"
     )

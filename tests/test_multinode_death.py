@@ -38,14 +38,17 @@ from eyas.train.metrics import METRICS_FILE, read_metrics
 NUM_SAMPLES, BATCH, STEPS = 64, 8, 16
 JOIN_TIMEOUT_S = 10  # how long a survivor below MIN waits for the lost node (train.rdzv_join_timeout_s)
 # A resumed run's weights equal the uninterrupted run's up to float rounding, not bit for bit, whatever the world
-# size: each rank sums its share of a batch's gradient before the allreduce sums the shares, so at world size 2
-# the steps after the resume add the same terms in another order; and at 4, DDP reduces the first step of every
-# launch in its initial gradient buckets and later steps in the ones it rebuilds after that step, and gloo adds an
-# element's 4 terms in an order set by its place in the bucket (2 terms add exactly in either order, which is why
-# tests/test_train_crash.py's 2-process resume is bit for bit). Measured: 1.2e-7 at most, either way.
+# size: at world size 2 each rank sums a larger share of a batch's gradient before the allreduce sums the shares,
+# so the steps after the resume add the same terms in another order; at 4 a resume on ONE node differs from its
+# uninterrupted run just as much (1.2e-7), the nodes play no part: DDP reduces the first step of a launch in its
+# initial gradient buckets and rebuilds them after it, and gloo adds an element's 4 terms in an order set by its
+# place in a bucket (2 terms add exactly in either order: tests/test_train_crash.py's 2-process resume is bit for
+# bit). Measured here: 1.2e-7 at most, either way.
 WEIGHT_TOLERANCE = 1e-5
 # With MIN 1 the first agent would train alone unless the second joins within this; it does, well before. A node
-# joining a running job makes torch restart the workers, which this torch deadlocks on (see the report below).
+# joining a running job makes torch restart the workers, and torch 2.13's shared rendezvous store hangs there: the
+# joining agent waits for the new round's MASTER_ADDR, which the agent that stays node rank 0 never writes again,
+# until the store's 60 s timeout ends both agents (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 avoids it).
 LAST_CALL_S = 10
 RESUMED = re.compile(r"resumed from \S+ at step (\d+) .*saved with world size (\d+), now (\d+)")
 

@@ -221,3 +221,32 @@ def test_both_nodes_back_resume_from_the_newest_checkpoint_and_finish(below_min,
     difference, worst = max_difference(run["weights"], uninterrupted["weights"])
     assert difference <= WEIGHT_TOLERANCE, f"{worst}: max difference {difference:.3g} over {WEIGHT_TOLERANCE}"
     print(f"relaunched at world size 4 against uninterrupted: max weight difference {difference:.3g} ({worst})")
+
+
+RENDEZVOUS_TAIL = """  File ".../torch/distributed/elastic/rendezvous/dynamic_rendezvous.py", line 680, in run
+    raise RendezvousTimeoutError
+torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError
+"""
+
+
+def test_an_agent_that_gave_up_on_the_rendezvous_is_named_without_any_rank_record(tiny_run, tmp_path):
+    """No rank recorded an exception (the agent gave up before its workers started): the rendezvous is the reason,
+    and the log's last lines follow."""
+    job_for(tiny_run, tmp_path, num_nodes="3:4", rdzv_endpoint="node-0", rdzv_join_timeout_s=900)
+    (tmp_path / LOG_FILE).write_text("starting\n" + RENDEZVOUS_TAIL)
+    message = str(launch_failed(1, tmp_path, started_from=None))
+    assert message.startswith(
+        "the rendezvous of train.num_nodes='3:4' at node-0:29400 failed: fewer than 3 nodes (its MIN) joined within "
+        "train.rdzv_join_timeout_s=900 (torch's RendezvousTimeoutError: "
+    ), message
+    assert "training resumes from step 0 (no checkpoint yet) once 3 nodes are back; " in message
+    assert "; torchrun exited with 1 and no rank recorded an exception (started from step 0, " in message
+    assert message.endswith(RENDEZVOUS_TAIL)
+
+
+def test_a_rendezvous_failure_of_an_earlier_launch_is_not_this_ones_reason(tiny_run, tmp_path):
+    """train/torchrun.log gathers every launch: only its last lines (this launch's end) are read."""
+    job_for(tiny_run, tmp_path, num_nodes=2, rdzv_endpoint="node-0")
+    (tmp_path / LOG_FILE).write_text(RENDEZVOUS_TAIL + "an earlier launch ended\n" * 30 + "Killed\n")
+    message = str(launch_failed(137, tmp_path, started_from=None))
+    assert message.startswith("torchrun exited with 137 and no rank recorded an exception"), message

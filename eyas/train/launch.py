@@ -117,7 +117,10 @@ def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
     the next round, at least MIN of them within join_timeout, and their new workers resume from the newest
     complete checkpoint at the smaller world size. Fewer than MIN: the agents exit non-zero
     (RendezvousTimeoutError, `launch_failed` says so). The agent that hosts the store is the rendezvous itself:
-    losing it ends the job on every node."""
+    losing it ends the job on every node. A node joining a running job (MIN:MAX) makes torch restart every
+    agent's workers; torch 2.13 hangs in that round when the agents share the rendezvous store with the workers
+    (its default): the agent that stays node rank 0 never writes the new round's MASTER_ADDR that the joining one
+    waits for. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment avoids it."""
     launcher = [sys.executable, "-m", "torch.distributed.run"]
     per_node = f"--nproc_per_node={train.num_processes}"
     if train.num_nodes == 1:

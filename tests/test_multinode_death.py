@@ -45,10 +45,8 @@ JOIN_TIMEOUT_S = 10  # how long a survivor below MIN waits for the lost node (tr
 # place in a bucket (2 terms add exactly in either order: tests/test_train_crash.py's 2-process resume is bit for
 # bit). Measured here: 1.2e-7 at most, either way.
 WEIGHT_TOLERANCE = 1e-5
-# With MIN 1 the first agent would train alone unless the second joins within this; it does, well before. A node
-# joining a running job makes torch restart the workers, and torch 2.13's shared rendezvous store hangs there: the
-# joining agent waits for the new round's MASTER_ADDR, which the agent that stays node rank 0 never writes again,
-# until the store's 60 s timeout ends both agents (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 avoids it).
+# With MIN 1 the first agent would train alone until the second joins within this; it does, well before, so both
+# runs compared start at world size 4.
 LAST_CALL_S = 10
 RESUMED = re.compile(r"resumed from \S+ at step (\d+) .*saved with world size (\d+), now (\d+)")
 

@@ -101,6 +101,9 @@ def rendezvous_id(config: RunConfig) -> str:
     return config.train.rdzv_id or f"{config.name}-{config.fingerprint('workdir', 'draft', 'train')[:12]}"
 
 
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch.distributed.elastic.rendezvous.dynamic_rendezvous
+
+
 def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
     """torchrun for this node's agent, up to the script it runs.
 
@@ -117,15 +120,21 @@ def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
     the next round, at least MIN of them within join_timeout, and their new workers resume from the newest
     complete checkpoint at the smaller world size. Fewer than MIN: the agents exit non-zero
     (RendezvousTimeoutError, `launch_failed` says so). The agent that hosts the store is the rendezvous itself:
-    losing it ends the job on every node. A node joining a running job (MIN:MAX) makes torch restart every
-    agent's workers; torch 2.13 hangs in that round when the agents share the rendezvous store with the workers
-    (its default): the agent that stays node rank 0 never writes the new round's MASTER_ADDR that the joining one
-    waits for. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment avoids it."""
+    losing it ends the job on every node.
+
+    The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (through `env`, so that the command a person starts
+    on another node carries it): by default (torch 2.13) the workers' process group uses the agent's rendezvous
+    store, which node rank 0 keeps from round to round; restarted workers then read their peers' addresses of the
+    previous round (gloo: connection refused, in every restart left), and a node joining a running job hangs the
+    round (the joining agent waits for a MASTER_ADDR that the agent staying node rank 0 never writes again). With
+    it, each round's global rank 0 serves a new store for the workers."""
     launcher = [sys.executable, "-m", "torch.distributed.run"]
     per_node = f"--nproc_per_node={train.num_processes}"
     if train.num_nodes == 1:
         return [*launcher, "--standalone", per_node]
     return [
+        "env",
+        f"{UNSHARED_STORE}=1",
         *launcher,
         f"--nnodes={train.num_nodes}",
         per_node,

@@ -102,7 +102,8 @@ def test_one_node_keeps_the_standalone_command():
 def test_several_nodes_launch_under_the_c10d_rendezvous():
     config = run_config(num_nodes="2:4", num_processes=8, rdzv_endpoint="node-0", rdzv_join_timeout_s=900,
                         rdzv_last_call_timeout_s=60, max_restarts=5)  # fmt: skip
-    assert torchrun_command(config, Path("job.json"))[3:] == [
+    assert torchrun_command(config, Path("job.json")) == [
+        "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run",
         "--nnodes=2:4", "--nproc_per_node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=node-0:29400",
         f"--rdzv-id={rendezvous_id(config)}", "--rdzv-conf=join_timeout=900,last_call_timeout=60",
         "--max-restarts=5", "-m", "eyas.train", "--config", "job.json",

@@ -105,6 +105,9 @@ def rendezvous_id(config: RunConfig) -> str:
     return config.train.rdzv_id or f"{config.name}-{config.fingerprint('workdir', 'draft', 'train')[:12]}"
 
 
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch.distributed.elastic.rendezvous.dynamic_rendezvous
+
+
 def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
     """torchrun for this node's agent, up to the script it runs.
 
@@ -121,12 +124,21 @@ def torchrun_launcher(train: TrainConfig, *, rdzv_id: str) -> list[str]:
     the next round, at least MIN of them within join_timeout, and their new workers resume from the newest
     complete checkpoint at the smaller world size. Fewer than MIN: the agents exit non-zero
     (RendezvousTimeoutError, `launch_failed` says so). The agent that hosts the store is the rendezvous itself:
-    losing it ends the job on every node."""
+    losing it ends the job on every node.
+
+    The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (through `env`, so that the command a person starts
+    on another node carries it): by default (torch 2.13) the workers' process group uses the agent's rendezvous
+    store, which node rank 0 keeps from round to round; restarted workers then read their peers' addresses of the
+    previous round (gloo: connection refused, in every restart left), and a node joining a running job hangs the
+    round (the joining agent waits for a MASTER_ADDR that the agent staying node rank 0 never writes again). With
+    it, each round's global rank 0 serves a new store for the workers."""
     launcher = [sys.executable, "-m", "torch.distributed.run"]
     per_node = f"--nproc_per_node={train.num_processes}"
     if train.num_nodes == 1:
         return [*launcher, "--standalone", per_node]
     return [
+        "env",
+        f"{UNSHARED_STORE}=1",
         *launcher,
         f"--nnodes={train.num_nodes}",
         per_node,
@@ -289,7 +301,9 @@ def train_run(
 def launch_failed(returncode: int, train_dir: Path, *, started_from: Path | None) -> TorchrunFailed:
     """The failure of a launch that exited non-zero: the first failing rank's exception and where it was
     raised, the other ranks that failed, the checkpoints, the log's path; without any rank's record (a rank
-    killed by a signal, torchrun itself failing) the log's last lines instead."""
+    killed by a signal, torchrun itself failing) the log's last lines instead. An agent that gave up on the
+    rendezvous (a node lost below MIN, or never started) is named first: the ranks' records then only say
+    that their peers went away."""
     log_path, newest = train_dir / LOG_FILE, latest_complete(train_dir)
     checkpoints = (
         f"started from {started_from.name if started_from else 'step 0'}, newest complete checkpoint now "
@@ -300,17 +314,40 @@ def launch_failed(returncode: int, train_dir: Path, *, started_from: Path | None
     except ValueError as e:
         failures, unreadable = [], f" ({e})"
     first = first_failure(failures)
+    tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:]) if log_path.is_file() else "(no log)\n"
+    rendezvous = f"{rendezvous_timed_out(train_dir, newest)}; " if RENDEZVOUS_TIMEOUT in tail else ""
     if first is None:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         return TorchrunFailed(
-            f"torchrun exited with {returncode} and no rank recorded an exception{unreadable} ({checkpoints}); "
-            f"last lines of {log_path}:\n{tail}",
+            f"{rendezvous}torchrun exited with {returncode} and no rank recorded an exception{unreadable} "
+            f"({checkpoints}); last lines of {log_path}:\n{tail}",
             started_from=started_from,
             newest=newest,
         )
+    before = "before that, " if rendezvous else ""
     return TorchrunFailed(
-        f"{describe_failures(failures)}; torchrun exited with {returncode} ({checkpoints}); the whole log: {log_path}",
+        f"{rendezvous}{before}{describe_failures(failures)}; torchrun exited with {returncode} ({checkpoints}); the "
+        f"whole log: {log_path}",
         started_from=started_from,
         newest=newest,
         failure=first,
+    )
+
+
+# The last line of torchrun's traceback when an agent's rendezvous could not complete within join_timeout
+# (torch.distributed.elastic.rendezvous.dynamic_rendezvous: fewer than MIN nodes joined the round).
+RENDEZVOUS_TIMEOUT = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
+
+
+def rendezvous_timed_out(train_dir: Path, newest: Path | None) -> str:
+    """Why a launch whose agent raised RendezvousTimeoutError failed, from the launch's job file: how many nodes
+    it needs, how long it waited, and what resumes it."""
+    train = TrainJob.model_validate_json((train_dir / JOB_FILE).read_text()).train
+    low, _ = train.node_range
+    resumes = f"from {newest.name}, the newest complete checkpoint" if newest else "from step 0 (no checkpoint yet)"
+    return (
+        f"the rendezvous of train.num_nodes={train.num_nodes!r} at {train.rdzv_endpoint} failed: fewer than {low} "
+        f"nodes (its MIN) joined within train.rdzv_join_timeout_s={train.rdzv_join_timeout_s} (torch's "
+        f"RendezvousTimeoutError: a node was lost and too few were left, or not all were started); start the "
+        f"agent of every missing node (the same command and config on each) and retry: training resumes {resumes} "
+        f"once {low} nodes are back; or give train.num_nodes a lower MIN ('MIN:MAX') to go on with fewer"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -14,17 +15,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from run_fixtures import REPO, write_tiny_run, write_tokenized
+from run_fixtures import REPO, extract, write_tiny_run, write_tokenized
 
+from eyas.config import ExtractConfig, load_run_config
+from eyas.extract.plan import describe_extraction
+from eyas.facts import facts_for
 from eyas.shards.format import load_shard, shard_filename, write_shard
 from eyas.shards.manifest import committed_row, read_manifest, record_row
 from eyas.shards.shard_set import QUARANTINE_DIR
 from eyas.shards.synthetic import SYNTHETIC_DATASET_HASH, SyntheticSpec
 from eyas.storage import open_storage
 from eyas.target import target_fingerprint
+from eyas.train.stream_order import stream_order
 from eyas.verify.arrivals import (
     ArrivalVerifier,
     ShardWaitTimeout,
+    arrival_verifier,
     read_verdicts,
     verdict_name,
     verified_row,
@@ -151,6 +157,30 @@ def test_a_flipped_byte_is_quarantined_and_the_reader_waits_for_its_re_extractio
     assert read_verdicts(store) == {verdict_name(k, r.checksum, "full") for k, r in rows.items()}
 
 
+def test_a_real_extraction_is_verified_in_the_order_it_commits(tmp_path, random_target_dir):
+    """The hf backend extracting in a trainer's order (one worker) while the run's verifier follows its store."""
+    rng = random.Random(3)
+    samples = [[rng.randrange(1, 2048) for _ in range(rng.randint(4, 16))] for _ in range(24)]
+    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
+    cfg = ExtractConfig(shard_bytes=1 << 16, batch_size=8)
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    config = base.model_copy(update={"extract": cfg})
+    facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=tmp_path / "shards")
+    plan = describe_extraction(cfg, facts)[1]
+    order = stream_order(plan, config.train.model_copy(update={"global_batch_size": 4})).shards
+    lines, stop = [], threading.Event()
+    v = arrival_verifier(config, facts, order=order, log=lines.append)
+    with ThreadPoolExecutor(1) as pool:
+        following = pool.submit(v.follow, until=stop.is_set, poll_s=POLL_S)
+        extract(tokenized, tmp_path / "shards", random_target_dir, cfg, shard_order=order)
+        wait_verified(facts.storage(), order[-1], mode="full", timeout_s=60, poll_s=POLL_S, log=lines.append)
+        stop.set()
+        following.result()
+    assert len(plan) > 3 and order != tuple(range(len(plan)))
+    assert verified_in_order(lines) == list(order) and v.verified == set(order)
+    assert not list((tmp_path / "shards" / "rows").iterdir())  # compacted at the end while the verifier followed
+
+
 def test_a_shard_written_again_with_other_bytes_is_verified_again(tmp_path, source):
     store, lines = open_storage(tmp_path / "store"), []
     v = verifier(store, source, lines)
@@ -190,26 +220,27 @@ def test_a_verifier_against_another_dataset_is_refused(tmp_path, source):
 
 
 CHILD = """
-import json, sys
-from eyas.verify.arrivals import ArrivalVerifier
-from eyas.verify.checks import ExpectedShardMeta
+import json, os, signal, sys
 from eyas.storage import open_storage
+from eyas.verify.arrivals import ArrivalVerifier, verdict_name
+from eyas.verify.checks import ExpectedShardMeta
 a = json.loads(sys.argv[1])
-v = ArrivalVerifier(open_storage(a["store"], endpoint_url=a["endpoint"]), tokenized_path=a["tokenized"], expected=ExpectedShardMeta(**a["expected"]),
-                    mode="full", log=lambda line: print(line, flush=True))
-print("following", flush=True)
+store = open_storage(a["store"], endpoint_url=a["endpoint"])
+if a["die_before_verdict_of"] is not None:  # SIGKILLed after the shard's checks passed, before its verdict is written
+    put, doomed = store.put_bytes, verdict_name(a["die_before_verdict_of"], "", "full").removesuffix(".json")
+    store.put_bytes = lambda name, data: os.kill(os.getpid(), signal.SIGKILL) if name.startswith(doomed) else put(name, data)
+v = ArrivalVerifier(store, tokenized_path=a["tokenized"], expected=ExpectedShardMeta(**a["expected"]), mode="full",
+                    log=lambda line: print(line, flush=True))
 v.follow(until=lambda: len(v.verified) >= a["num_shards"], poll_s=0.02)
 """
 
 
-def endpoint_of(store) -> str:
-    return store.client.meta.endpoint_url if store.url.startswith("s3://") else ""
-
-
-def start_child(store, source) -> subprocess.Popen:
+def start_child(store, source, *, die_before_verdict_of: int | None = None) -> subprocess.Popen:
     """A verifier in its own process, following `store` until every shard is verified, printing each verdict."""
-    args = {"store": store.url, "endpoint": endpoint_of(store), "tokenized": str(source["tokenized"]), "expected": source["expected"].__dict__,
-            "num_shards": NUM_SHARDS}  # fmt: skip
+    endpoint = store.client.meta.endpoint_url if store.url.startswith("s3://") else ""
+    args = {"store": store.url, "endpoint": endpoint, "tokenized": str(source["tokenized"]),
+            "expected": source["expected"].__dict__, "num_shards": NUM_SHARDS,
+            "die_before_verdict_of": die_before_verdict_of}  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], stdout=subprocess.PIPE, text=True,
                             env=env)  # fmt: skip
@@ -225,10 +256,16 @@ def read_until(child: subprocess.Popen, marker: str) -> list[str]:
 
 
 def killed(child: subprocess.Popen) -> list[str]:
+    """SIGKILL the child; the lines it printed until then."""
     child.send_signal(signal.SIGKILL)
-    rest = child.stdout.read().splitlines()
-    assert child.wait() == -signal.SIGKILL
-    return rest
+    return died(child)
+
+
+def died(child: subprocess.Popen) -> list[str]:
+    """Wait for the child to end by SIGKILL; the lines it printed."""
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, out
+    return out.splitlines()
 
 
 def verdict_shards(store) -> set[int]:
@@ -236,22 +273,27 @@ def verdict_shards(store) -> set[int]:
 
 
 def test_a_killed_verifier_resumes_without_checking_a_recorded_shard_again_and_loses_none(store, source):
+    """Kills: idle between shards; after a shard's checks passed, before its verdict; at once after a verdict
+    (anywhere in what follows). Each restart checks exactly the committed shards without a verdict."""
     for k in (0, 1, 2):
         commit(store, source, k)
-    first = start_child(store, source)  # killed idle, between shards
+    first = start_child(store, source)
     for k in (0, 1, 2):
         wait_verified(store, k, mode="full", timeout_s=60, poll_s=POLL_S, log=lambda _: None)
-    lines = read_until(first, "shard 00002 verified") + killed(first)
+    lines = read_until(first, "shard 00002 verified") + killed(first)  # nothing left to check: idle
     assert sorted(verified_in_order(lines)) == [0, 1, 2]
     for k in (3, 4, 5):
         commit(store, source, k)
-    second = start_child(store, source)  # killed at once after its first verdict: anywhere after it
-    lines = read_until(second, "verified on arrival") + killed(second)
+    second = start_child(store, source, die_before_verdict_of=4)
+    assert verified_in_order(died(second)) == [3] and verdict_shards(store) == {0, 1, 2, 3}
+    third = start_child(store, source)
+    lines = read_until(third, "verified on arrival") + killed(third)
+    assert verified_in_order(lines)[0] == 4  # checked again: its verdict was never written
     recorded = verdict_shards(store)
-    assert {0, 1, 2, verified_in_order(lines)[0]} <= recorded
-    third = start_child(store, source)  # runs until every shard is verified
-    out, _ = third.communicate(timeout=120)
-    assert third.returncode == 0, out
+    assert {0, 1, 2, 3, 4} <= recorded
+    last = start_child(store, source)
+    out, _ = last.communicate(timeout=120)
+    assert last.returncode == 0, out
     assert sorted(verified_in_order(out.splitlines())) == sorted(set(range(NUM_SHARDS)) - recorded)
     assert "quarantined" not in out and verdict_shards(store) == set(range(NUM_SHARDS))
     assert all(verified_row(store, r.shard_index, mode="full") == r for r in read_manifest(store))

@@ -20,9 +20,10 @@ untouched), so that the extraction coordinator finds it missing and extracts it 
 that, and says so.
 
 Cost per poll: one listing of `rows/`, one read of `manifest.parquet` (the coordinator compacts only when it
-starts and ends), and a read of each row file new since the last poll; a shard is checked once, one at a time,
-in the order given (the trainer's, eyas.train.stream_order), else by index. A reader's poll reads one row and
-one or two verdict names.
+starts and ends), a read of each row file new since the last poll and, on S3 when there is a shard to check,
+one listing of the shards (their sizes); a shard is checked once, one at a time, in the order given (the
+trainer's, eyas.train.stream_order), else by index. A reader's poll reads one row and looks up one or two
+verdict names.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -113,9 +115,10 @@ class _CommittedRows:
         # files, so a row folded in between is in the parquet read after
         listed = self.store.versions(ROWS_DIR + "/")
         rows = {r.shard_index: r for r in read_compacted_rows(self.store)}
-        self.seen = {n: self.seen[n] for n in listed if n in self.seen and self.seen[n][0] == listed[n]} | {
-            n: (v, read_row_file_if_present(self.store, n)) for n, v in listed.items()
-            if n not in self.seen or self.seen[n][0] != v
+        self.seen = {
+            name: self.seen[name] if self.seen.get(name, ("",))[0] == version
+            else (version, read_row_file_if_present(self.store, name))
+            for name, version in listed.items()
         }  # fmt: skip
         for name, (_, row) in sorted(self.seen.items()):
             if row is None:
@@ -177,10 +180,11 @@ class ArrivalVerifier:
                 root = self.store.local_path()
                 listing = {} if root is not None else self.store.list()
                 for row in todo:
-                    if root is not None:
-                        opener = lambda path=str(root / row.file): FileBytes(path)  # noqa: E731
-                    else:
-                        opener = remote_opener(self.store, row.file, listing, self.mode, spool)
+                    opener = (
+                        partial(FileBytes, str(root / row.file))
+                        if root is not None
+                        else remote_opener(self.store, row.file, listing, self.mode, spool)
+                    )
                     results.append(self._check(row, opener))
         self.verified = {k for k, r in rows.items() if self._covered(r)}
         return results

@@ -21,7 +21,16 @@ from eyas.config import ExtractConfig, load_run_config
 from eyas.extract.plan import describe_extraction
 from eyas.facts import facts_for
 from eyas.shards.format import load_shard, shard_filename, write_shard
-from eyas.shards.manifest import committed_row, read_manifest, record_row
+from eyas.shards.manifest import (
+    MANIFEST_NAME,
+    ROWS_DIR,
+    committed_row,
+    compact_manifest,
+    read_compacted_rows,
+    read_manifest,
+    record_row,
+    row_name,
+)
 from eyas.shards.shard_set import QUARANTINE_DIR
 from eyas.shards.synthetic import SYNTHETIC_DATASET_HASH, SyntheticSpec
 from eyas.storage import open_storage
@@ -133,6 +142,7 @@ def test_a_flipped_byte_is_quarantined_and_the_reader_waits_for_its_re_extractio
                              log_every_s=0)  # fmt: skip
         until(lambda: any("quarantined" in w for w in waits), "the reader saying shard 2 is quarantined")
         assert committed_row(store, 2) is None and [r.shard_index for r in read_manifest(store)] == [0, 1]
+        assert sorted(store.list(ROWS_DIR + "/")) == [row_name(0), row_name(1)]  # the others' rows untouched
         assert bad.file not in store.list()
         aside = sorted(store.list(QUARANTINE_DIR + "/"))
         assert len(aside) == 2 and aside[0].startswith(f"{QUARANTINE_DIR}/{bad.file}.")
@@ -179,6 +189,20 @@ def test_a_real_extraction_is_verified_in_the_order_it_commits(tmp_path, random_
     assert len(plan) > 3 and order != tuple(range(len(plan)))
     assert verified_in_order(lines) == list(order) and v.verified == set(order)
     assert not list((tmp_path / "shards" / "rows").iterdir())  # compacted at the end while the verifier followed
+
+
+def test_a_bad_compacted_shard_loses_its_row_alone(tmp_path, source):
+    store, lines = open_storage(tmp_path / "store"), []
+    rows = [commit(store, source, k) for k in (0, 1, 2)]
+    compact_manifest(store)  # as a coordinator does when it starts
+    data = bytearray((source["shards"] / rows[1].file).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    store.put_bytes(rows[1].file, bytes(data))
+    fourth = commit(store, source, 3)
+    results = verifier(store, source, lines).poll()
+    assert [(r.shard, r.status) for r in results] == [(0, "ok"), (1, "bad"), (2, "ok"), (3, "ok")]
+    assert read_compacted_rows(store) == [rows[0], rows[2]] and store.list(ROWS_DIR + "/").keys() == {row_name(3)}
+    assert read_manifest(store) == [rows[0], rows[2], fourth] and store.exists(MANIFEST_NAME)
 
 
 def test_a_shard_written_again_with_other_bytes_is_verified_again(tmp_path, source):

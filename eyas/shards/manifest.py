@@ -52,7 +52,8 @@ def row_name(shard_index: int) -> str:
     return f"{ROWS_DIR}/shard-{shard_index:05d}.json"
 
 
-def _read_compacted(store: Storage) -> list[ManifestRow]:
+def read_compacted_rows(store: Storage) -> list[ManifestRow]:
+    """The rows of `manifest.parquet` alone (no row file); empty when there is none."""
     if not store.exists(MANIFEST_NAME):
         return []
     # An Arrow buffer, not a Python file object: pyarrow's scan may drop its last reference to the source on
@@ -75,7 +76,8 @@ def _read_compacted(store: Storage) -> list[ManifestRow]:
     return rows
 
 
-def _read_row_file(store: Storage, name: str) -> ManifestRow:
+def read_row_file(store: Storage, name: str) -> ManifestRow:
+    """The row in one row file (`row_name`)."""
     try:
         return ManifestRow(**json.loads(store.get_bytes(name)))
     except (json.JSONDecodeError, TypeError) as e:
@@ -88,9 +90,9 @@ def _read_row_file(store: Storage, name: str) -> ManifestRow:
 def read_manifest(where: "str | Path | Storage") -> list[ManifestRow]:
     """Every row (compacted and not yet compacted), sorted by shard index; empty when there is none."""
     store = as_storage(where)
-    rows = {r.shard_index: r for r in _read_compacted(store)}
+    rows = {r.shard_index: r for r in read_compacted_rows(store)}
     for name in sorted(store.list(ROWS_DIR + "/")):
-        row = _read_row_file(store, name)
+        row = read_row_file(store, name)
         if row.shard_index in rows and rows[row.shard_index] != row:
             raise ValueError(
                 f"{store.url}: shard {row.shard_index:05d} has two different manifest rows ({MANIFEST_NAME}: "
@@ -104,7 +106,7 @@ def read_manifest(where: "str | Path | Storage") -> list[ManifestRow]:
 def done_shard_indices(where: "str | Path | Storage") -> set[int]:
     """Indices that have a row, from the compacted manifest and the row files' names (no row file is read)."""
     store = as_storage(where)
-    done = {r.shard_index for r in _read_compacted(store)}
+    done = {r.shard_index for r in read_compacted_rows(store)}
     for name in store.list(ROWS_DIR + "/"):
         stem = name.rsplit("/", 1)[-1].removeprefix("shard-").removesuffix(".json")
         if stem.isdigit():
@@ -117,13 +119,17 @@ def record_row(where: "str | Path | Storage", row: ManifestRow) -> None:
     as_storage(where).put_bytes(row_name(row.shard_index), json.dumps(asdict(row), sort_keys=True).encode())
 
 
-def write_manifest(where: "str | Path | Storage", rows: Sequence[ManifestRow]) -> None:
-    """Make the manifest exactly `rows`: `manifest.parquet` replaced atomically, then the row files removed."""
-    store = as_storage(where)
+def _write_compacted(store: Storage, rows: Sequence[ManifestRow]) -> None:
     table = pa.Table.from_pylist([asdict(r) for r in sorted(rows, key=lambda r: r.shard_index)], schema=MANIFEST_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     store.put_bytes(MANIFEST_NAME, sink.getvalue().to_pybytes())
+
+
+def write_manifest(where: "str | Path | Storage", rows: Sequence[ManifestRow]) -> None:
+    """Make the manifest exactly `rows`: `manifest.parquet` replaced atomically, then the row files removed."""
+    store = as_storage(where)
+    _write_compacted(store, rows)
     for name in store.list(ROWS_DIR + "/"):
         store.delete(name)
 
@@ -154,6 +160,41 @@ def drop_manifest_rows(where: "str | Path | Storage", files: Sequence[str]) -> N
     kept = [r for r in rows if r.file not in set(files)]
     if len(kept) != len(rows) or as_storage(where).list(ROWS_DIR + "/"):
         write_manifest(where, kept)
+
+
+def committed_row(where: "str | Path | Storage", shard_index: int) -> ManifestRow | None:
+    """The manifest row of one shard (its row file, else `manifest.parquet`), or None when it has none yet."""
+    store = as_storage(where)
+    row = read_row_file_if_present(store, row_name(shard_index))
+    return row or next((r for r in read_compacted_rows(store) if r.shard_index == shard_index), None)
+
+
+def read_row_file_if_present(store: Storage, name: str) -> ManifestRow | None:
+    """The row in a row file, or None when there is no such file, also when it goes away while it is read (a
+    compaction folds it into manifest.parquet, or a quarantine drops it): reads that race them see no row."""
+    if not store.exists(name):
+        return None
+    try:
+        return read_row_file(store, name)
+    except Exception:
+        if store.exists(name):
+            raise
+        return None
+
+
+def drop_row(where: "str | Path | Storage", row: ManifestRow) -> None:
+    """Remove this one row while workers commit others: its row file is deleted (no other row file is touched,
+    none is folded), and `manifest.parquet`, when it holds the row, is written again without it. A row that was
+    written again since (other bytes) stays. The coordinator rewrites `manifest.parquet` only when it starts
+    and when it ends; a drop of a compacted row at that very moment can be undone by it, and the row then
+    names a file that is gone, which verification finds again."""
+    store = as_storage(where)
+    name = row_name(row.shard_index)
+    if committed_row(store, row.shard_index) == row and store.exists(name):
+        store.delete(name)
+    compacted = read_compacted_rows(store)
+    if row in compacted:
+        _write_compacted(store, [r for r in compacted if r != row])
 
 
 def coverage_problems(rows: Sequence[ManifestRow], num_samples: int, *, where: str) -> list[str]:

@@ -159,6 +159,14 @@ def quarantine_shards(where: "str | Path | Storage", reasons: Mapping[str, str])
     `NAME.STAMP.reason.txt` holding its reason, and drop its manifest row, so that the next extraction
     re-extracts it. A local directory renames the file; S3 copies it on the server, then deletes it. A shard
     already gone still gets its reason. Returns the reason objects' names (under the storage)."""
+    written = set_aside_shards(where, reasons)
+    drop_manifest_rows(where, list(reasons))
+    return written
+
+
+def set_aside_shards(where: "str | Path | Storage", reasons: Mapping[str, str]) -> list[str]:
+    """The first half of `quarantine_shards`: each shard moved into `quarantine/` beside its reason; the manifest
+    rows are left to the caller. Returns the reason objects' names."""
     store = as_storage(where)
     stamp = time.strftime("%Y%m%dT%H%M%S")
     present, taken = store.list(), set(store.list(QUARANTINE_DIR + "/"))
@@ -176,7 +184,6 @@ def quarantine_shards(where: "str | Path | Storage", reasons: Mapping[str, str])
         store.put_bytes(note, (reason + "\n" + ("" if found else "(the file was already missing)\n")).encode())
         taken |= {dst, note}
         written.append(note)
-    drop_manifest_rows(store, list(reasons))
     return written
 
 

@@ -141,10 +141,7 @@ def verify_shards(
     tokenized_path = Path(tokenized_path)
     if not tokenized_path.is_file():
         raise FileNotFoundError(f"tokenized dataset {tokenized_path}: no such file; run the dataset stage first")
-    lengths = sample_lengths(tokenized_path)  # cheap mode needs only these; full mode compares every token
-    dataset = TokenizedDataset(tokenized_path) if mode == "full" else None
-    token_starts = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
-    ctx = VerifyContext(expected, dataset, token_starts, chunk_bytes)
+    ctx = verify_context(tokenized_path, expected, mode, chunk_bytes)
     manifest = read_manifest(store)
     by_file = {r.file: r for r in manifest}
     with contextlib.ExitStack() as stack:
@@ -159,7 +156,7 @@ def verify_shards(
             spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="eyas-verify-"))
 
             def opener_of(name: str) -> Callable[[], FileBytes | RangeBytes]:
-                return _remote_opener(store, name, listing, mode, spool)
+                return remote_opener(store, name, listing, mode, spool)
 
         def batch(names: list[str]) -> list[ShardReportRow]:
             return [verify_shard(row=by_file.get(n), ctx=ctx, mode=mode, name=n, opener=opener_of(n)) for n in names]
@@ -171,17 +168,31 @@ def verify_shards(
         # only cheap mode over local files holds the GIL (eyas.verify.workers)
         holds_gil = mode == "cheap" and store.local_path() is not None
         rows, workers = run_batches(batch, files, holds_gil=holds_gil, num_workers=num_workers, on_batch=on_batch)
-    problems = coverage_problems(manifest, len(lengths), where=store.url)
-    dataset_hash = read_dataset_hash(tokenized_path)
-    if dataset_hash != expected.dataset_hash:
-        problems.append(
-            f"tokenized dataset {tokenized_path}: content hash {dataset_hash!r}, expected "
-            f"{expected.dataset_hash!r}; verify against the dataset the run extracted from"
-        )
+    problems = coverage_problems(manifest, len(ctx.token_starts) - 1, where=store.url)
+    problems += [p for p in [dataset_hash_problem(tokenized_path, expected)] if p]
     return VerifyReport(mode=mode, rows=rows, problems=problems, seconds=time.perf_counter() - t0, workers=workers)
 
 
-def _remote_opener(store: Storage, name: str, listing: dict[str, int], mode: str, spool: str):
+def verify_context(tokenized_path: Path, expected: ExpectedShardMeta, mode: str, chunk_bytes: int) -> VerifyContext:
+    """What every shard is checked against: the samples' token counts (both modes) and, in full mode, the tokens."""
+    lengths = sample_lengths(tokenized_path)  # cheap mode needs only these; full mode compares every token
+    dataset = TokenizedDataset(tokenized_path) if mode == "full" else None
+    token_starts = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
+    return VerifyContext(expected, dataset, token_starts, chunk_bytes)
+
+
+def dataset_hash_problem(tokenized_path: Path, expected: ExpectedShardMeta) -> str:
+    """Why the tokenized dataset is not the one the shards were extracted from, or "" when it is."""
+    dataset_hash = read_dataset_hash(tokenized_path)
+    if dataset_hash == expected.dataset_hash:
+        return ""
+    return (
+        f"tokenized dataset {tokenized_path}: content hash {dataset_hash!r}, expected "
+        f"{expected.dataset_hash!r}; verify against the dataset the run extracted from"
+    )
+
+
+def remote_opener(store: Storage, name: str, listing: dict[str, int], mode: str, spool: str):
     """How a shard in storage is read: by range requests (cheap), or streamed whole into a temporary file of
     `spool` (full: every byte is read anyway; the file is unlinked as soon as it is open)."""
 

@@ -25,6 +25,7 @@ from eyas.fsio import TMP_MARKER
 from eyas.status.report import run_status
 from eyas.target import TargetFacts
 from eyas.train.checkpoint import CHECKPOINTS_DIR, latest_complete, read_trainer_state
+from eyas.train.failure import read_failures, record_failure
 from eyas.train.launch import JOB_FILE, torchrun_launcher, train_run
 from eyas.train.metrics import METRICS_FILE
 from eyas.train.nodes import STOP_FILE, TrainingStopped, clear_stop, raise_if_stopped, read_stop, request_stop
@@ -221,6 +222,12 @@ def test_the_launcher_raises_on_a_stop_and_the_next_launch_clears_it_and_resumes
     assert 3 <= step < 120 and str(stopped.value).startswith(f"training stopped by `eyas stop` at step {step} (")
     assert str(stopped.value).endswith(f"run `eyas train CONFIG` with this run's config to resume from {checkpoint}")
     assert latest_complete(train_dir) == checkpoint and not (train_dir / "final.json").exists()
-    final = train_run(config, facts)
+
+    def a_rank_failed_before_a_restart(record: dict) -> None:  # what a rank torch then restarted leaves behind
+        if record["step"] == step + 1:
+            record_failure(train_dir, ConnectionResetError("gloo: Connection reset by peer"))
+
+    final = train_run(config, facts, on_metric=a_rank_failed_before_a_restart)
     assert read_stop(train_dir) is None and final["step"] == 120
+    assert read_failures(train_dir) == []  # a launch that ended well leaves no reason for `eyas status` to say failed
     assert metric_steps(train_dir) == list(range(1, 121))

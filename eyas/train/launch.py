@@ -295,6 +295,7 @@ def train_run(
     raise_if_stopped(train_dir, proc.returncode)  # on `eyas stop`: TrainingStopped, never relaunched
     if proc.returncode != 0:
         raise launch_failed(proc.returncode, train_dir, started_from=started_from)
+    clear_failures(train_dir)  # what ranks recorded before torch restarted them (train.max_restarts) is done with
     return json.loads((train_dir / FINAL_FILE).read_text())
 
 

@@ -92,15 +92,20 @@ def read_manifest(where: "str | Path | Storage") -> list[ManifestRow]:
     store = as_storage(where)
     rows = {r.shard_index: r for r in read_compacted_rows(store)}
     for name in sorted(store.list(ROWS_DIR + "/")):
-        row = read_row_file(store, name)
-        if row.shard_index in rows and rows[row.shard_index] != row:
-            raise ValueError(
-                f"{store.url}: shard {row.shard_index:05d} has two different manifest rows ({MANIFEST_NAME}: "
-                f"{rows[row.shard_index]}; {name}: {row}); two extractions wrote it: verify the shard set, "
-                f"which quarantines what does not match"
-            )
-        rows[row.shard_index] = row
+        add_row(rows, read_row_file(store, name), name, store.url)
     return [rows[i] for i in sorted(rows)]
+
+
+def add_row(rows: dict[int, ManifestRow], row: ManifestRow, name: str, url: str) -> None:
+    """Add a row file's row to the rows read so far (by shard index); a different row for the same shard is an
+    error naming both."""
+    if row.shard_index in rows and rows[row.shard_index] != row:
+        raise ValueError(
+            f"{url}: shard {row.shard_index:05d} has two different manifest rows ({MANIFEST_NAME}: "
+            f"{rows[row.shard_index]}; {name}: {row}); two extractions wrote it: verify the shard set, "
+            f"which quarantines what does not match"
+        )
+    rows[row.shard_index] = row
 
 
 def done_shard_indices(where: "str | Path | Storage") -> set[int]:

@@ -44,6 +44,7 @@ from eyas.shards.format import shard_filename
 from eyas.shards.manifest import (
     ROWS_DIR,
     ManifestRow,
+    add_row,
     committed_row,
     drop_row,
     read_compacted_rows,
@@ -121,15 +122,8 @@ class _CommittedRows:
             for name, version in listed.items()
         }  # fmt: skip
         for name, (_, row) in sorted(self.seen.items()):
-            if row is None:
-                continue
-            if row.shard_index in rows and rows[row.shard_index] != row:
-                raise ValueError(
-                    f"{self.store.url}: shard {row.shard_index:05d} has two different manifest rows (manifest.parquet: "
-                    f"{rows[row.shard_index]}; {name}: {row}); two extractions wrote it: verify the shard set, which "
-                    f"quarantines what does not match"
-                )
-            rows[row.shard_index] = row
+            if row is not None:
+                add_row(rows, row, name, self.store.url)
         return rows
 
 

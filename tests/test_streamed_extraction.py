@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from run_fixtures import REPO, write_tokenized
 
 from eyas.config import ExtractConfig, load_run_config
 from eyas.extract.plan import describe_extraction
-from eyas.extract.streamed import run_streamed_extraction
+from eyas.extract.streamed import ShardQueue, run_streamed_extraction
 from eyas.facts import facts_for
 from eyas.shards.format import shard_filename
 from eyas.shards.manifest import ROWS_DIR, read_manifest
@@ -132,7 +133,7 @@ def test_a_shard_bad_on_every_write_stops_the_run_with_its_reasons(tmp_path, tok
 
 CHILD = """
 import json, sys
-from eyas.extract.streamed import run_streamed_extraction
+from eyas.extract.streamed import ShardQueue, run_streamed_extraction
 sys.path.insert(0, "tests")
 from test_streamed_extraction import run_config, run_facts, trainer_order
 a = json.loads(sys.argv[1])
@@ -187,3 +188,28 @@ def test_a_producer_killed_mid_run_resumes_to_the_uninterrupted_manifest(
     assert read_manifest(shards) == read_manifest(clean)
     assert all(verified_row(shards, k, mode="full") == r for k, r in enumerate(read_manifest(clean)))
     assert not list(shards.glob(".*tmp-*")) and not list((shards / ROWS_DIR).iterdir())
+
+
+def test_a_shard_put_back_is_taken_before_every_shard_needed_after_it():
+    queue = ShardQueue([5, 2, 7, 1], position={5: 0, 2: 1, 7: 2, 1: 3, 4: 4})
+    assert [queue.take(), queue.take()] == [5, 2]
+    queue.put(5)  # quarantined after its commit
+    assert [queue.take(), queue.take(), queue.take()] == [5, 7, 1]
+    queue.close()
+    assert queue.take() is None
+
+
+def test_a_verified_shard_whose_file_is_lost_is_written_and_verified_again(
+    tmp_path, tokenized, random_target_dir, uninterrupted
+):
+    clean, order, _, _ = uninterrupted
+    shards, lost = tmp_path / "shards", order[-1]
+    shutil.copytree(clean, shards)
+    (shards / shard_filename(lost)).unlink()
+    config, facts, lines = run_config(), run_facts(tokenized, random_target_dir, shards), []
+    summary = run_streamed_extraction(config, facts, shard_order=order, log=lines.append, poll_s=POLL_S)
+    assert "1 to extract" in lines[0] and "1 verdicts of shards to rewrite dropped" in lines[0]
+    assert f"{shard_filename(lost)}: listed in the manifest" in lines[1]
+    assert verified_in_order(lines) == [lost]  # its old verdict was not taken for the new file's
+    assert summary.shards_written == 1 and summary.workers[0]["shard_indices"] == [lost]
+    assert read_manifest(shards) == read_manifest(clean) and read_verdicts(shards) == read_verdicts(clean)

@@ -60,16 +60,18 @@ def verified_in_order(lines: list[str]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tokenized, random_target_dir):
-    """A streamed extraction with one worker, uninterrupted: (shards dir, its order, its log, its summary)."""
+    """A streamed extraction with one worker, uninterrupted: (shards dir, its order, its log, its summary, its
+    progress reports)."""
     shards = tmp_path_factory.mktemp("uninterrupted") / "shards"
     config, facts = run_config(), run_facts(tokenized, random_target_dir, shards)
-    order, lines = trainer_order(config, facts), []
-    summary = run_streamed_extraction(config, facts, shard_order=order, log=lines.append, poll_s=POLL_S)
-    return shards, order, lines, summary
+    order, lines, reports = trainer_order(config, facts), [], []
+    summary = run_streamed_extraction(config, facts, shard_order=order, log=lines.append, poll_s=POLL_S,
+                                      progress=reports.append)  # fmt: skip
+    return shards, order, lines, summary, reports
 
 
 def test_every_shard_is_committed_and_verified_in_the_trainers_order(uninterrupted):
-    shards, order, lines, summary = uninterrupted
+    shards, order, lines, summary, reports = uninterrupted
     rows = read_manifest(shards)
     assert len(order) > 8 and list(order) != sorted(order)
     assert verified_in_order(lines) == list(order)
@@ -78,6 +80,9 @@ def test_every_shard_is_committed_and_verified_in_the_trainers_order(uninterrupt
     assert summary.tokens_total == summary.tokens_written == sum(r.num_tokens for r in rows)
     assert read_verdicts(shards) == {verdict_name(r.shard_index, r.checksum, "full") for r in rows}
     assert not list((shards / ROWS_DIR).iterdir()) and not (shards / QUARANTINE_DIR).exists()
+    verified = [r["shards_verified"] for r in reports]
+    assert verified == sorted(verified) and verified[-1] == len(order)  # counted up as the verifier went
+    assert reports[-1]["shards_done"] == len(order) and reports[-1]["tokens_done"] == summary.tokens_total
 
 
 def corrupting_first_write(store, shard: int):
@@ -97,16 +102,25 @@ def corrupting_first_write(store, shard: int):
     return store
 
 
-def test_a_shard_written_bad_is_quarantined_and_written_again_within_the_run(
-    tmp_path, tokenized, random_target_dir, uninterrupted
-):
-    clean, order, _, _ = uninterrupted
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path, tokenized, random_target_dir):
+    """(facts, store) of a fresh shard store: a local directory or a prefix on the S3 server."""
+    if request.param == "local":
+        shards = tmp_path / "shards"
+        return run_facts(tokenized, random_target_dir, shards), open_storage(shards)
+    bucket, endpoint = request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_endpoint")
+    url = f"s3://{bucket}/run/shards"
+    facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, storage_url=url,
+                      s3_endpoint_url=endpoint)  # fmt: skip
+    return facts, open_storage(url, endpoint_url=endpoint)
+
+
+def test_a_shard_written_bad_is_quarantined_and_written_again_within_the_run(where, uninterrupted):
+    clean, order, *_ = uninterrupted
     bad = order[1]  # needed early: written again before the shards needed after it
-    shards = tmp_path / "shards"
-    config, facts = run_config(num_workers=2), run_facts(tokenized, random_target_dir, shards)
-    lines = []
-    store = corrupting_first_write(open_storage(shards), bad)
-    summary = run_streamed_extraction(config, facts, shard_order=order, store=store, log=lines.append, poll_s=POLL_S)
+    (facts, store), config, lines = where, run_config(num_workers=2), []
+    summary = run_streamed_extraction(config, facts, shard_order=order, store=corrupting_first_write(store, bad),
+                                      log=lines.append, poll_s=POLL_S)  # fmt: skip
     quarantined = [line for line in lines if "quarantined on arrival" in line]
     assert len(quarantined) == 1 and quarantined[0].startswith(f"shard {bad:05d} quarantined on arrival: ")
     assert f"{shard_filename(bad)}: checksum mismatch" in quarantined[0]
@@ -114,10 +128,10 @@ def test_a_shard_written_bad_is_quarantined_and_written_again_within_the_run(
     written = sorted(k for w in summary.workers for k in w["shard_indices"])
     assert written == sorted([*order, bad])  # every shard once, the bad one twice
     assert sorted(verified_in_order(lines)) == sorted(order) and summary.shards_total == len(order)
-    assert read_manifest(shards) == read_manifest(clean)
-    assert all(verified_row(shards, k, mode="full") is not None for k in order)
-    aside = sorted(p.name for p in (shards / QUARANTINE_DIR).iterdir())
-    assert len(aside) == 2 and aside[0].startswith(shard_filename(bad) + ".")
+    assert read_manifest(store) == read_manifest(clean) and not store.list(ROWS_DIR + "/")
+    assert all(verified_row(store, k, mode="full") is not None for k in order)
+    aside = sorted(store.list(QUARANTINE_DIR + "/"))
+    assert len(aside) == 2 and aside[0].startswith(f"{QUARANTINE_DIR}/{shard_filename(bad)}.")
 
 
 def test_a_shard_bad_on_every_write_stops_the_run_with_its_reasons(tmp_path, tokenized, random_target_dir):
@@ -169,7 +183,7 @@ def kill_after_verdicts(child: subprocess.Popen, shards, count: int, rng: random
 def test_a_producer_killed_mid_run_resumes_to_the_uninterrupted_manifest(
     tmp_path, tokenized, random_target_dir, uninterrupted
 ):
-    clean, order, _, _ = uninterrupted
+    clean, order, *_ = uninterrupted
     shards, rng = tmp_path / "shards", random.Random(7)
     for count in (2, len(order) // 2):
         kill_after_verdicts(start_child(tokenized, random_target_dir, shards), shards, count, rng)
@@ -202,7 +216,7 @@ def test_a_shard_put_back_is_taken_before_every_shard_needed_after_it():
 def test_a_verified_shard_whose_file_is_lost_is_written_and_verified_again(
     tmp_path, tokenized, random_target_dir, uninterrupted
 ):
-    clean, order, _, _ = uninterrupted
+    clean, order, *_ = uninterrupted
     shards, lost = tmp_path / "shards", order[-1]
     shutil.copytree(clean, shards)
     (shards / shard_filename(lost)).unlink()

@@ -32,7 +32,7 @@ from eyas.config import RunConfig
 from eyas.dataset.table import TokenizedDataset
 from eyas.extract.backends import open_backend
 from eyas.extract.coordinator import ExtractionProgress, ExtractSummary
-from eyas.extract.plan import check_shard_order, describe_extraction, finish_extraction, resume_plan
+from eyas.extract.plan import ResumePlan, check_shard_order, describe_extraction, finish_extraction, resume_plan
 from eyas.extract.worker import WorkerSummary, extract_shard_tensors, worker_device
 from eyas.facts import RunFacts
 from eyas.shards.format import write_shard
@@ -132,7 +132,7 @@ class _Healing:
 
 def _follow(
     verifier: ArrivalVerifier, queue: ShardQueue, committed: threading.Event, futures: list[Future], *,
-    num_shards: int, healing: _Healing, poll_s: float, progress: Callable[[int], None] | None,
+    num_shards: int, healing: _Healing, poll_s: float, progress: Callable[[int], None],
 ) -> None:  # fmt: skip
     """Verify what commits, requeue what is quarantined, until every planned shard is verified; a worker's failure
     ends the run (raised)."""
@@ -142,14 +142,44 @@ def _follow(
             if result.status != "ok":
                 healing.quarantined(result.shard, result.reason)
                 queue.put(result.shard)
-        if progress:
-            progress(len(verifier.verified))
+        progress(len(verifier.verified))
         if len(verifier.verified) == num_shards:
             return
         for f in futures:
             if f.done():
                 f.result()  # a failed worker raises here; a worker ends otherwise only when the queue closes
         committed.wait(poll_s)
+
+
+class _Progress:
+    """ExtractionProgress snapshots with `shards_verified`, after each commit and each verifier poll."""
+
+    def __init__(self, tracker: ExtractionProgress, report: Callable[[dict], None] | None):
+        self.tracker, self.report, self.verified = tracker, report, 0
+
+    def committed(self, index: int) -> None:
+        if self.report:
+            self.report({**self.tracker.shard_done(self.tracker.plan[index]), "shards_verified": self.verified})
+
+    def polled(self, num_verified: int) -> None:
+        self.verified = num_verified
+        if self.report:
+            self.report({**self.tracker.snapshot(), "shards_verified": num_verified})
+
+
+def _resume(
+    store: Storage, run: ExtractRunMeta, plan: list, order: list[int], log: Callable[[str], None]
+) -> ResumePlan:
+    """resume_plan, then the verdicts of the shards it will write dropped; said through `log`."""
+    check_shard_order(order, len(plan))  # before resume_plan changes anything
+    rp = resume_plan(store, run, plan)
+    stale = drop_verdicts(store, rp.todo)
+    log(f"streamed extraction plan: {len(plan)} shards, {len(rp.done)} done, {len(rp.todo)} to extract "
+        f"({rp.strays_removed} interrupted writes removed, {rp.unlisted} unrecorded shards to rewrite, "
+        f"{len(stale)} verdicts of shards to rewrite dropped)")  # fmt: skip
+    for reason in rp.quarantined:
+        log(f"quarantined (extracted again): {reason}")
+    return rp
 
 
 def run_streamed_extraction(
@@ -172,40 +202,18 @@ def run_streamed_extraction(
     with extraction_lock(store), ThreadPoolExecutor(max_workers=cfg.num_workers) as pool:
         run, plan = describe_extraction(cfg, facts, target_dtype=target_dtype)
         order = list(range(len(plan))) if shard_order is None else list(shard_order)
-        check_shard_order(order, len(plan))  # before resume_plan changes anything
-        rp = resume_plan(store, run, plan)
-        stale = drop_verdicts(store, rp.todo)
-        log(f"streamed extraction plan: {len(plan)} shards, {len(rp.done)} done, {len(rp.todo)} to extract "
-            f"({rp.strays_removed} interrupted writes removed, {rp.unlisted} unrecorded shards to rewrite, "
-            f"{len(stale)} verdicts of shards to rewrite dropped)")  # fmt: skip
-        for reason in rp.quarantined:
-            log(f"quarantined (extracted again): {reason}")
+        rp = _resume(store, run, plan, order, log)
         verifier = arrival_verifier(config, facts, order=order, log=log, store=store)
-        position = {shard: k for k, shard in enumerate(order)}
-        queue, committed, healing = (
-            ShardQueue(rp.todo, position),
-            threading.Event(),
-            _Healing(config.verify.num_heal_rounds, store.url),
-        )
-        tracker = ExtractionProgress(store, plan, rp.done)
-        verified = [0]
-
-        def on_commit(index: int) -> None:
-            if progress:
-                progress({**tracker.shard_done(plan[index]), "shards_verified": verified[0]})
-
-        def on_verified(n: int) -> None:
-            verified[0] = n
-            if progress:
-                progress({**tracker.snapshot(), "shards_verified": n})
-
-        dataset = TokenizedDataset(facts.tokenized_path)
-        kw = dict(config=config, facts=facts, run=run, plan=plan, store=store, dataset=dataset, on_commit=on_commit)
+        queue = ShardQueue(rp.todo, {shard: k for k, shard in enumerate(order)})
+        committed, healing = threading.Event(), _Healing(config.verify.num_heal_rounds, store.url)
+        report = _Progress(ExtractionProgress(store, plan, rp.done), progress)
+        kw = dict(config=config, facts=facts, run=run, plan=plan, store=store,
+                  dataset=TokenizedDataset(facts.tokenized_path), on_commit=report.committed)  # fmt: skip
         num_workers = max(1, min(cfg.num_workers, len(plan)))
         futures = [pool.submit(_work, k, queue, committed, **kw) for k in range(num_workers)]
         try:
             _follow(verifier, queue, committed, futures, num_shards=len(plan), healing=healing, poll_s=poll_s,
-                    progress=on_verified)  # fmt: skip
+                    progress=report.polled)  # fmt: skip
         finally:
             queue.close()
         results = [f.result() for f in futures]

@@ -100,6 +100,17 @@ def verified_row(where: "str | Path | Storage", shard_index: int, *, mode: str) 
     return row if row is not None and _has_verdict(store, row, mode) else None
 
 
+def drop_verdicts(where: "str | Path | Storage", shard_indices: Sequence[int]) -> list[str]:
+    """Delete every verdict of the given shards (one listing); return their names. An extraction that writes a
+    shard again calls it first: a verdict names the checksum of a row, and a rewrite recorded with that same
+    checksum must not inherit a verdict its own bytes never earned."""
+    store, wanted = as_storage(where), set(shard_indices)
+    names = sorted(n for n in read_verdicts(store) if int(VERDICT_NAME_RE.match(n).group(1)) in wanted)
+    for name in names:
+        store.delete(name)
+    return names
+
+
 def _has_verdict(store: Storage, row: ManifestRow, mode: str) -> bool:
     return any(store.exists(verdict_name(row.shard_index, row.checksum, m)) for m in COVERING_MODES[mode])
 
@@ -210,11 +221,17 @@ class ArrivalVerifier:
 
 
 def arrival_verifier(
-    config: RunConfig, facts: RunFacts, *, order: Sequence[int] = (), log: Callable[[str], None] = print
+    config: RunConfig,
+    facts: RunFacts,
+    *,
+    order: Sequence[int] = (),
+    log: Callable[[str], None] = print,
+    store: Storage | None = None,
 ) -> ArrivalVerifier:
-    """The verifier of a run's shard store (where extraction commits them), in the run's verify mode."""
+    """The verifier of a run's shard store (where extraction commits them; `store` overrides the run's storage),
+    in the run's verify mode."""
     return ArrivalVerifier(
-        facts.storage(),
+        facts.storage() if store is None else store,
         tokenized_path=facts.tokenized_path,
         expected=expected_shard_meta(facts, extract_encoding(config.extract)),
         mode=config.verify.mode,

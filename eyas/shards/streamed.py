@@ -25,7 +25,7 @@ from eyas.shards.format import ShardMeta, ShardPlan, shard_filename
 from eyas.shards.manifest import ManifestRow
 from eyas.shards.shard_set import RUN_META_NAME, read_run_meta
 from eyas.storage import Storage
-from eyas.verify.arrivals import LOG_EVERY_S, wait_verified
+from eyas.verify.arrivals import LOG_EVERY_S, verified_row, wait_verified
 
 POLL_S = 1.0  # how often a waiting reader looks at the store
 SAY_EVERY_S = LOG_EVERY_S  # how often a wait says it still waits
@@ -70,6 +70,17 @@ def wait_for_shard(store: Storage, planned: ManifestRow, *, mode: str, log: Call
     row = wait_verified(
         store, planned.shard_index, mode=mode, timeout_s=math.inf, poll_s=POLL_S, log=log, log_every_s=SAY_EVERY_S
     ).row
+    return _as_planned(store, planned, row)
+
+
+def verified_now(store: Storage, planned: ManifestRow, *, mode: str) -> ManifestRow | None:
+    """The committed row of a planned shard when a verdict of `mode` names its bytes now; else None (no wait)."""
+    row = verified_row(store, planned.shard_index, mode=mode)
+    return None if row is None else _as_planned(store, planned, row)
+
+
+def _as_planned(store: Storage, planned: ManifestRow, row: ManifestRow) -> ManifestRow:
+    """The committed row, refused when its samples are not the plan's."""
     if (row.sample_start, row.sample_end) != (planned.sample_start, planned.sample_end):
         raise StreamPlanError(
             f"shard {row.file} of {store.url}: committed over samples {row.sample_start}..{row.sample_end}, the "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from run_fixtures import tiny_job, write_tiny_run, write_tokenized
 from safetensors.torch import load_file
 
+import eyas.shards.cache as cache
 import eyas.shards.streamed as streamed
 from eyas.config import PlannedShard, StreamSource
 from eyas.shards.format import ShardPlan, load_shard, shard_filename, write_shard
@@ -49,6 +50,7 @@ def one_process_group():
 def quick_waits(monkeypatch):
     """A waiting reader looks every 20 ms and says so at every look, so a test sees each state it passes through."""
     monkeypatch.setattr(streamed, "POLL_S", 0.02)
+    monkeypatch.setattr(cache, "POLL_S", 0.02)
     monkeypatch.setattr(streamed, "SAY_EVERY_S", 0.0)
 
 
@@ -84,11 +86,17 @@ def stream_source(source, mode: str = "full") -> StreamSource:
     return StreamSource(verify_mode=mode, plan=plan)
 
 
-def fresh_store(source, path):
-    """A store where extraction has started: extract.json recorded, no shard committed."""
-    store = open_storage(path)
+def fresh_store(source, where: str, request, tmp_path):
+    """A store where extraction has started (extract.json recorded, no shard committed): a local directory, or a
+    prefix of the S3 server; -> (store, the job fields that read it)."""
+    if where == "local":
+        store, fields = open_storage(tmp_path / "store"), {"shards_dir": str(tmp_path / "store")}
+    else:
+        bucket, endpoint = request.getfixturevalue("s3_bucket"), request.getfixturevalue("s3_endpoint")
+        store = open_storage(f"s3://{bucket}/run/shards", endpoint_url=endpoint)
+        fields = {"shards_dir": store.url, "shards_endpoint_url": endpoint}
     store.put_bytes(RUN_META_NAME, json.dumps(asdict(source["run_meta"])).encode())
-    return store
+    return store, fields
 
 
 def commit(store, source, k: int, *, flip_byte: bool = False) -> None:
@@ -162,13 +170,19 @@ def without_timing(records: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("bad", [None, "third"])
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_streamed_run_waits_for_each_verified_shard_and_ends_as_the_offline_run(
-    source, tmp_path, capsys, one_process_group, bad
+    source, tmp_path, capsys, request, one_process_group, where, bad
 ):
+    """Local: the shard directory read in place; s3: read through a cache of two shards, which fetches ahead only
+    what is verified."""
     offline = tiny_job(source["run"], tmp_path / "offline", **TRAIN)
     Trainer(offline, Dist(rank=0, world=1, device=CPU)).run()
-    store = fresh_store(source, tmp_path / "store")
-    job = offline.model_copy(update={"shards_dir": str(tmp_path / "store"), "output_dir": str(tmp_path / "streamed"),
+    store, fields = fresh_store(source, where, request, tmp_path)
+    train = offline.train
+    if where == "s3":
+        train = train.model_copy(update={"cache_bytes": 2 * source["run_meta"].shard_bytes})
+    job = offline.model_copy(update={**fields, "output_dir": str(tmp_path / "streamed"), "train": train,
                                      "stream": stream_source(source)})  # fmt: skip
     order = stream_order(source["plan"], job.train)
     bad_shard = order.shards[2] if bad else None

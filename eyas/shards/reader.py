@@ -44,7 +44,7 @@ from eyas.shards.encoding import TEACHER_KEYS, decode_aux
 from eyas.shards.format import BASE_TENSOR_NAMES, ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
 from eyas.shards.read_checks import NodeReadChecks
-from eyas.shards.streamed import planned_rows, stream_meta, wait_for_shard
+from eyas.shards.streamed import planned_rows, stream_meta, verified_now, wait_for_shard
 from eyas.storage import Storage, as_storage
 
 # ShardMeta fields every shard of one extraction run shares.
@@ -151,11 +151,6 @@ class ShardSamples:
                 f"or from the local copy extraction keeps (RUN/shards)"
             )
         self.shards_dir = store.local_path()
-        if stream is not None and cache_bytes:
-            raise ShardDataError(
-                f"shards {store.url}: a streamed run (job.stream) with train.cache_bytes={cache_bytes}: streaming reads "
-                f"the shard directory extraction writes (a local or shared volume); set train.cache_bytes=0"
-            )
         self._rows = planned_rows(stream) if stream is not None else self._manifest_rows(store)
         total = self._rows[-1].sample_end
         if max_samples > total:
@@ -165,7 +160,13 @@ class ShardSamples:
             )
         if cache_bytes and cache_dir is None:
             raise ValueError(f"shards {store.url}: cache_bytes={cache_bytes} needs a cache_dir")
-        self.cache = ShardCache(store, self._rows, cache_dir, cache_bytes, log=log) if cache_bytes else None
+        resolve = None
+        if stream is not None:  # the cache fetches ahead only what is verified
+            planned = list(self._rows)
+            resolve = lambda k: verified_now(store, planned[k], mode=stream.verify_mode)  # noqa: E731
+        self.cache = (
+            ShardCache(store, self._rows, cache_dir, cache_bytes, log=log, resolve=resolve) if cache_bytes else None
+        )
         self._starts = [r.sample_start for r in self._rows]
         self.num_samples = max_samples or total
         self._offsets: dict[int, torch.Tensor] = {}
@@ -238,6 +239,8 @@ class ShardSamples:
         if self.stream is None or shard in self._verified:
             return
         row = wait_for_shard(self.store, self._rows[shard], mode=self.stream.verify_mode, log=self.log)
+        if self.cache is not None:
+            self.cache.resolved(shard, row)
         with self._read_lock:
             self._rows[shard] = row
             self._verified.add(shard)

@@ -22,7 +22,9 @@ import eyas.shards.streamed as streamed
 from eyas.config import PlannedShard, StreamSource
 from eyas.shards.format import ShardPlan, load_shard, shard_filename, write_shard
 from eyas.shards.manifest import read_manifest, record_row
+from eyas.shards.reader import ShardSamples
 from eyas.shards.shard_set import RUN_META_NAME, ExtractRunMeta
+from eyas.shards.streamed import StreamPlanError
 from eyas.shards.synthetic import SYNTHETIC_DATASET_HASH, SyntheticSpec
 from eyas.storage import open_storage
 from eyas.target import target_fingerprint
@@ -212,3 +214,56 @@ def test_a_streamed_run_waits_for_each_verified_shard_and_ends_as_the_offline_ru
         waits = [line for line in said.splitlines() if f"waiting for shard {bad_shard:05d} (full" in line]
         assert any(line.endswith("not committed yet") for line in waits)
         assert any(": quarantined (" in line and line.endswith("being extracted again") for line in waits)
+
+
+def test_a_plan_with_a_gap_is_refused(source):
+    plan = stream_source(source).plan
+    broken = [plan[0], plan[2]]
+    with pytest.raises(ValueError) as err:
+        StreamSource(verify_mode="full", plan=broken)
+    assert (
+        f"stream.plan[1]: samples {plan[2].sample_start}..{plan[2].sample_end}, expected a non-empty range from sample "
+        f"{plan[0].sample_end}; pass the shard plan of eyas.extract.plan.describe_extraction whole, in order"
+    ) in str(err.value)
+
+
+def test_a_reader_waits_for_extract_json_then_refuses_another_plan(source, tmp_path):
+    """Before extraction records extract.json the reader waits and says so; a record of another number of shards
+    is refused, naming both."""
+    store, lines = open_storage(tmp_path / "store"), []
+    other = [PlannedShard(sample_start=0, sample_end=24, num_tokens=100)]
+    with ThreadPoolExecutor(1) as pool:
+        opening = pool.submit(ShardSamples, store, stream=StreamSource(verify_mode="cheap", plan=other),
+                              log=lines.append)  # fmt: skip
+        end = time.monotonic() + LIMIT_S
+        while not lines:
+            assert time.monotonic() < end, "no word of the wait for extract.json"
+            time.sleep(0.02)
+        store.put_bytes(RUN_META_NAME, json.dumps(asdict(source["run_meta"])).encode())
+        with pytest.raises(StreamPlanError) as err:
+            opening.result()
+    assert lines[0] == (
+        f"waiting for {store.url}/{RUN_META_NAME} (0 s so far): extraction has not started; is it running?"
+    )
+    assert str(err.value) == (
+        f"{store.url}/{RUN_META_NAME}: extraction plans 6 shards, the job's stream.plan 1; the job was written for "
+        f"another extraction: write it again from this run's plan"
+    )
+
+
+def test_a_verified_shard_over_other_samples_than_planned_is_refused(source, tmp_path):
+    store, fields = fresh_store(source, "local", None, tmp_path)
+    stream = stream_source(source)
+    moved = [p.model_copy() for p in stream.plan]
+    moved[0] = moved[0].model_copy(update={"sample_end": moved[0].sample_end - 1})
+    moved[1] = moved[1].model_copy(update={"sample_start": moved[0].sample_end})
+    samples = ShardSamples(store, stream=StreamSource(verify_mode="full", plan=moved), log=print)
+    commit(store, source, 0)
+    ArrivalVerifier(store, tokenized_path=source["tokenized"], expected=source["expected"], mode="full",
+                    log=print).poll()  # fmt: skip
+    with pytest.raises(StreamPlanError) as err:
+        samples.load_sample(0)
+    assert str(err.value) == (
+        f"shard {shard_filename(0)} of {store.url}: committed over samples 0..4, the job's stream.plan says 0..3; "
+        f"the job was written for another extraction: write it again from this run's plan"
+    )

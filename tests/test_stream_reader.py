@@ -1,11 +1,16 @@
 """The trainer's side of streaming (TrainJob.stream, eyas.shards.streamed): a real trainer started on a shard store
-where extraction has committed nothing yet reads each shard only once it is verified on arrival, waits for it
-and says so, and trains on the same samples to the same weights, bit for bit, as an offline run over the finished
-store; a shard whose committed bytes fail verification is never read."""
+where extraction has committed nothing yet (in process with one rank, from a local directory or from the S3
+server through its cache; and two ranks under torchrun) reads each shard only once it is verified on arrival,
+waits for it and says so, and trains on the same samples to the same weights, bit for bit, as an offline run over
+the finished store; a shard whose committed bytes fail verification is never read."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +19,7 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.distributed as dist
-from run_fixtures import tiny_job, write_tiny_run, write_tokenized
+from run_fixtures import REPO, run_trainer, tiny_job, write_tiny_run, write_tokenized
 from safetensors.torch import load_file
 
 import eyas.shards.cache as cache
@@ -114,14 +119,15 @@ def commit(store, source, k: int, *, flip_byte: bool = False) -> None:
 
 
 class Transcript:
-    """What the trainer printed so far (captured by capsys), read from the producer's thread and at the end."""
+    """What the trainer printed so far (`take()` returns what is new: capsys's, or a pipe's), read from the
+    producer's thread and at the end."""
 
-    def __init__(self, capsys):
-        self.capsys, self.text, self.lock = capsys, "", threading.Lock()
+    def __init__(self, take):
+        self.take, self.text, self.lock = take, "", threading.Lock()
 
     def read(self) -> str:
         with self.lock:
-            self.text += self.capsys.readouterr().out
+            self.text += self.take()
             return self.text
 
     def wait_for(self, needle: str, *, after: int = 0) -> int:
@@ -192,7 +198,7 @@ def test_a_streamed_run_waits_for_each_verified_shard_and_ends_as_the_offline_ru
     verifier = ArrivalVerifier(store, tokenized_path=source["tokenized"], expected=source["expected"], mode="full",
                                order=order.shards, log=lines.append)  # fmt: skip
     capsys.readouterr()
-    transcript = Transcript(capsys)
+    transcript = Transcript(lambda: capsys.readouterr().out)
     with ThreadPoolExecutor(1) as pool:
         producer = pool.submit(produce, store, source, verifier, order, transcript, bad=bad_shard)
         Trainer(job, Dist(rank=0, world=1, device=CPU)).run()
@@ -267,3 +273,50 @@ def test_a_verified_shard_over_other_samples_than_planned_is_refused(source, tmp
         f"shard {shard_filename(0)} of {store.url}: committed over samples 0..4, the job's stream.plan says 0..3; "
         f"the job was written for another extraction: write it again from this run's plan"
     )
+
+
+def test_two_torchrun_ranks_wait_for_each_verified_shard_and_end_as_the_offline_run(source, tmp_path):
+    """Two gloo processes under torchrun, each waiting for the shards of its share and saying so: the samples of
+    every step and the final weights are the offline run's."""
+    offline = tiny_job(source["run"], tmp_path / "offline", **{**TRAIN, "num_processes": 2})
+    (tmp_path / "offline.json").write_text(offline.model_dump_json())
+    run_trainer(tmp_path / "offline.json", 2)
+    store, fields = fresh_store(source, "local", None, tmp_path)
+    job = offline.model_copy(
+        update={**fields, "output_dir": str(tmp_path / "streamed"), "stream": stream_source(source)}
+    )
+    (tmp_path / "streamed.json").write_text(job.model_dump_json())
+    order = stream_order(source["plan"], job.train)
+    verifier = ArrivalVerifier(store, tokenized_path=source["tokenized"], expected=source["expected"], mode="full",
+                               order=order.shards, log=lambda line: None)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "eyas.train",
+           "--config", str(tmp_path / "streamed.json")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reading = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reading.start()
+    taken = [0]  # lines handed to the transcript
+
+    def take() -> str:
+        new = lines[taken[0] :]
+        taken[0] += len(new)
+        return "".join(new)
+
+    transcript = Transcript(take)
+    try:
+        produce(store, source, verifier, order, transcript, bad=None)
+        assert proc.wait(timeout=LIMIT_S) == 0, transcript.read()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+    reading.join(timeout=LIMIT_S)
+    said = transcript.read()
+    for k in order.first_step:
+        assert re.search(
+            rf"rank [01]: waiting for shard {k:05d} \(full verification, 0 s so far\): not committed yet", said
+        ), k
+    records = read_metrics(tmp_path / "streamed" / METRICS_FILE)
+    assert without_timing(records) == without_timing(read_metrics(tmp_path / "offline" / METRICS_FILE))
+    reference, got = weights(tmp_path / "offline"), weights(tmp_path / "streamed")
+    assert reference.keys() == got.keys() and [k for k in reference if not torch.equal(reference[k], got[k])] == []

@@ -821,6 +821,35 @@ class RunConfig(StrictModel):
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class PlannedShard(StrictModel):
+    """One shard of the extraction's plan (eyas.shards.format.ShardPlan), known before it is extracted."""
+
+    sample_start: int = Field(ge=0, description="its first global sample")
+    sample_end: int = Field(gt=0, description="one past its last sample")
+    num_tokens: int = Field(ge=1, description="tokens it will hold")
+
+
+class StreamSource(StrictModel):
+    """Train while extraction goes on: every planned shard, read only once its verdict names its bytes."""
+
+    verify_mode: Literal["cheap", "full"] = Field(
+        description="verify.mode: the verdict a shard needs before it is read"
+    )
+    plan: list[PlannedShard] = Field(min_length=1, description="the shard plan, shard 0 first (describe_extraction)")
+
+    @model_validator(mode="after")
+    def _plan_is_contiguous(self) -> "StreamSource":
+        end = 0
+        for k, p in enumerate(self.plan):
+            if p.sample_start != end or p.sample_end <= p.sample_start:
+                raise ValueError(
+                    f"stream.plan[{k}]: samples {p.sample_start}..{p.sample_end}, expected a non-empty range from "
+                    f"sample {end}; pass the shard plan of eyas.extract.plan.describe_extraction whole, in order"
+                )
+            end = p.sample_end
+        return self
+
+
 class TrainJob(StrictModel):
     """Everything `python -m eyas.train --config job.json` needs, written by the train task."""
 
@@ -838,6 +867,11 @@ class TrainJob(StrictModel):
     max_samples: int = Field(default=0, ge=0, description="use the first N samples; 0 = all")
     chain_steps: int = Field(
         default=3, ge=1, description="bench.num_steps: the draft chain the held-out evaluation estimates tau for"
+    )
+    stream: StreamSource | None = Field(
+        default=None,
+        description="set: train while extraction goes on (sample index from the plan, each shard waited for until "
+        "verified); unset: train on the finished manifest",
     )
 
     @model_validator(mode="after")

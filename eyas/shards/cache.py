@@ -17,6 +17,10 @@ damaged read, then refuses it); a shard that cannot be fetched fails the reader'
 no file behind. Files on disk plus the one being fetched never exceed `cache_bytes` (room is made before a
 fetch starts). A shard read off the schedule (the reader's metadata check) is fetched on demand, first.
 
+Streaming (`resolve` given): a row without a checksum is a planned shard not verified yet; the thread fetches
+ahead only up to the first of them in the schedule, asks `resolve` (no wait: the committed row once a verdict
+names its bytes, else None) every POLL_S seconds meanwhile, and `resolved` hands it the row a reader waited for.
+
 Crash safety: shards land by temporary -> fsync -> rename (eyas.fsio, inside download_to). A new cache over an
 existing directory keeps each file whose size and checksum are its manifest row's and deletes anything else
 (temporaries of an interrupted fetch, stale shards), so a run killed with SIGKILL resumes with what it
@@ -29,7 +33,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,7 @@ from eyas.checksum import checksum_file
 from eyas.shards.manifest import ManifestRow
 from eyas.storage import Storage
 
+POLL_S = 1.0  # streaming: how often the thread asks whether the next shard it wants is verified
 WAIT_LOG_S = 30.0  # a reader waiting longer than this for a shard says so, at most this often
 
 
@@ -65,16 +70,12 @@ class ShardCache:
         cache_bytes: int,
         *,
         log=print,
+        resolve: Callable[[int], ManifestRow | None] | None = None,
     ):
         self.source, self.rows, self.cache_bytes = source, list(rows), cache_bytes
-        self.dir, self.log = Path(cache_dir), log
-        largest = max(self.rows, key=lambda r: r.num_bytes)
-        if cache_bytes < largest.num_bytes:
-            raise ValueError(
-                f"train.cache_bytes={cache_bytes}: smaller than the largest shard ({largest.file}, "
-                f"{largest.num_bytes} bytes) of {source.url}; expected at least one shard, and two or more so "
-                f"fetching overlaps training: raise it (0 = train from a full local copy)"
-            )
+        self.dir, self.log, self.resolve = Path(cache_dir), log, resolve
+        self._check_fits(self.rows)
+        self._pending: int | None = None  # streaming: the first wanted shard not verified yet
         self.stats = CacheStats()
         self._cond = threading.Condition()
         self._schedule: list[int] = []
@@ -91,6 +92,22 @@ class ShardCache:
         self._thread = threading.Thread(target=self._run, name=f"shard-cache {self.dir}", daemon=True)
         self._thread.start()
 
+    def _check_fits(self, rows: Sequence[ManifestRow]) -> None:
+        largest = max(rows, key=lambda r: r.num_bytes)
+        if self.cache_bytes < largest.num_bytes:
+            raise ValueError(
+                f"train.cache_bytes={self.cache_bytes}: smaller than the largest shard ({largest.file}, "
+                f"{largest.num_bytes} bytes) of {self.source.url}; expected at least one shard, and two or more so "
+                f"fetching overlaps training: raise it (0 = train from a full local copy)"
+            )
+
+    def resolved(self, shard: int, row: ManifestRow) -> None:
+        """Streaming: shard's committed, verified row (a reader waited for it); fetchable from now on."""
+        self._check_fits([row])
+        with self._cond:
+            self.rows[shard] = row
+            self._cond.notify_all()
+
     # -- what is on disk ------------------------------------------------------------------------------------
 
     def _path(self, shard: int) -> Path:
@@ -104,7 +121,7 @@ class ShardCache:
         for path in sorted(p for p in self.dir.iterdir()):
             shard = self._by_file.get(path.name)
             row = self.rows[shard] if shard is not None else None
-            if row is not None and path.is_file() and path.stat().st_size == row.num_bytes:
+            if row is not None and row.checksum and path.is_file() and path.stat().st_size == row.num_bytes:
                 if checksum_file(path) == row.checksum:
                     self._resident[shard] = row.num_bytes
                     continue
@@ -189,10 +206,14 @@ class ShardCache:
         """Shards in order of next use (waited for first), as many as fit in cache_bytes."""
         out, seen, total = [], set(), 0
         n = len(self.rows)
+        self._pending = None
         candidates = itertools.chain(self._waiting, _from(self._schedule, self._pos))
         for shard in candidates:
             if shard in seen:
                 continue
+            if not self.rows[shard].checksum:  # streaming: not verified yet; nothing past it is fetched
+                self._pending = shard
+                break
             size = self.rows[shard].num_bytes
             if total + size > self.cache_bytes:
                 break
@@ -236,9 +257,16 @@ class ShardCache:
             with self._cond:
                 shard = None
                 while not self._closed and (shard := self._next_fetch()) is None:
+                    if self._pending is not None and self.resolve is not None:
+                        break
                     self._cond.wait()
                 if self._closed:
                     return
+                pending = self._pending
+            if shard is None:
+                if not self._ask(pending):
+                    return
+                continue
             row = self.rows[shard]
             try:
                 # streamed to a temporary (on S3 by ranged, parallel GETs), checked, fsynced, renamed
@@ -256,6 +284,25 @@ class ShardCache:
                 self.stats.fetched_bytes += row.num_bytes
                 self.stats.max_bytes_on_disk = max(self.stats.max_bytes_on_disk, self._used())
                 self._cond.notify_all()
+
+    def _ask(self, shard: int) -> bool:
+        """Streaming: take the shard's row if it is verified now, else look again in POLL_S seconds (or sooner, when
+        a reader hands it over or the schedule moves); False when asking failed (the error is the reader's)."""
+        try:
+            row = self.resolve(shard)
+            if row is not None:
+                self._check_fits([row])
+        except Exception as e:  # handed to the reader that waits for it, named (_raise_if_failed)
+            with self._cond:
+                self._error[shard] = e
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            if row is not None:
+                self.rows[shard] = row
+            else:
+                self._cond.wait(timeout=POLL_S)
+        return True
 
 
 def _from(seq: list[int], start: int):

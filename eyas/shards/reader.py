@@ -19,6 +19,9 @@ states are decoded (times their scales, eyas.shards.encoding.decode_aux) as they
 on as stored (`decoded=False`, read_sample_into: the trainer decodes them on its device). With `cache_bytes` > 0 the shards
 are read from a storage (S3, or any eyas.storage) through a bounded local cache (eyas.shards.cache), whose
 fetches are checked against the manifest checksum; without, they are the files of a local directory.
+With `stream` (TrainJob.stream: extraction still going on) the index, the shard boundaries and the run-wide
+metadata come from the shard plan and extract.json instead of the manifest and shard 0, and a shard is opened only
+once it is verified, waiting for it as long as it takes (eyas.shards.streamed).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eyas.config import StreamSource
 from eyas.shards.cache import ShardCache
 from eyas.shards.encoding import TEACHER_KEYS, decode_aux
 from eyas.shards.format import BASE_TENSOR_NAMES, ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
 from eyas.shards.read_checks import NodeReadChecks
+from eyas.shards.streamed import planned_rows, stream_meta, verified_now, wait_for_shard
 from eyas.storage import Storage, as_storage
 
 # ShardMeta fields every shard of one extraction run shares.
@@ -133,10 +138,11 @@ class ShardSamples:
         read_checks: NodeReadChecks | None = None,
         cache_dir: str | Path | None = None,
         cache_bytes: int = 0,
+        stream: StreamSource | None = None,
         log=print,
     ):
         store = as_storage(shards)
-        self.where = store.url
+        self.where, self.store, self.stream, self.log = store.url, store, stream, log
         # with verify_reads, the checksums found (one process hashing alone unless the launch's node record is given)
         self.read_checks = (read_checks or NodeReadChecks(None)) if verify_reads else None
         if not cache_bytes and store.local_path() is None:
@@ -145,18 +151,8 @@ class ShardSamples:
                 f"or from the local copy extraction keeps (RUN/shards)"
             )
         self.shards_dir = store.local_path()
-        if not store.exists(MANIFEST_NAME):
-            raise ShardDataError(f"shards_dir {store.url!r}: no {MANIFEST_NAME}; run extraction (eyas extract) first")
-        self._rows = read_manifest(store)
-        if not self._rows:
-            raise ShardDataError(
-                f"{store.url}/{MANIFEST_NAME}: the manifest has no rows; extraction wrote no shard: run "
-                "extraction (eyas extract) again"
-            )
+        self._rows = planned_rows(stream) if stream is not None else self._manifest_rows(store)
         total = self._rows[-1].sample_end
-        problems = coverage_problems(self._rows, total, where=f"{store.url}/{MANIFEST_NAME}")
-        if problems:
-            raise ShardDataError("; ".join(problems))
         if max_samples > total:
             raise ShardDataError(
                 f"max_samples={max_samples}: the shards in {store.url} hold only {total} samples; "
@@ -164,16 +160,42 @@ class ShardSamples:
             )
         if cache_bytes and cache_dir is None:
             raise ValueError(f"shards {store.url}: cache_bytes={cache_bytes} needs a cache_dir")
-        self.cache = ShardCache(store, self._rows, cache_dir, cache_bytes, log=log) if cache_bytes else None
+        resolve = None
+        if stream is not None:  # the cache fetches ahead only what is verified
+            planned = list(self._rows)
+            resolve = lambda k: verified_now(store, planned[k], mode=stream.verify_mode)  # noqa: E731
+        self.cache = (
+            ShardCache(store, self._rows, cache_dir, cache_bytes, log=log, resolve=resolve) if cache_bytes else None
+        )
         self._starts = [r.sample_start for r in self._rows]
         self.num_samples = max_samples or total
         self._offsets: dict[int, torch.Tensor] = {}
         self._checked: set[int] = set()
+        self._verified: set[int] = set()  # streaming: the shards whose committed row a verdict names
         self._layouts: dict[int, dict[str, StoredTensor]] = {}
         self._read_lock = threading.Lock()  # the input pipeline's thread and the loop's evaluation both read
-        with self._opened(0) as path, safe_open(path, framework="pt") as f:
-            self.meta = self._parse(0, f)
+        if stream is not None:  # extract.json precedes every shard: no shard is waited for before step 1
+            self.meta = stream_meta(store, stream, log=log)
+        else:
+            with self._opened(0) as path, safe_open(path, framework="pt") as f:
+                self.meta = self._parse(0, f)
         self._feature_names = [n for n in self.meta.tensor_names() if n not in BASE_TENSOR_NAMES]
+
+    @staticmethod
+    def _manifest_rows(store: Storage) -> list:
+        """The manifest's rows, covering samples 0..n-1 without a gap or an overlap."""
+        if not store.exists(MANIFEST_NAME):
+            raise ShardDataError(f"shards_dir {store.url!r}: no {MANIFEST_NAME}; run extraction (eyas extract) first")
+        rows = read_manifest(store)
+        if not rows:
+            raise ShardDataError(
+                f"{store.url}/{MANIFEST_NAME}: the manifest has no rows; extraction wrote no shard: run "
+                "extraction (eyas extract) again"
+            )
+        problems = coverage_problems(rows, rows[-1].sample_end, where=f"{store.url}/{MANIFEST_NAME}")
+        if problems:
+            raise ShardDataError("; ".join(problems))
+        return rows
 
     def __len__(self) -> int:
         return self.num_samples
@@ -206,9 +228,22 @@ class ShardSamples:
                 yield path
             return
         if shard not in self._checked:
+            self._await_verified(shard)
             self._check_file(shard)
             self._checked.add(shard)
         yield self._path(shard)
+
+    def _await_verified(self, shard: int) -> None:
+        """Streaming: block until the shard's committed bytes are verified and take its committed row; outside the
+        read lock, so a read of a shard already here (an evaluation) does not wait behind a wait for a later one."""
+        if self.stream is None or shard in self._verified:
+            return
+        row = wait_for_shard(self.store, self._rows[shard], mode=self.stream.verify_mode, log=self.log)
+        if self.cache is not None:
+            self.cache.resolved(shard, row)
+        with self._read_lock:
+            self._rows[shard] = row
+            self._verified.add(shard)
 
     def _check_file(self, shard: int) -> None:
         """The file is the one the manifest lists: its size always, its checksum with verify_reads."""
@@ -261,7 +296,7 @@ class ShardSamples:
                 if getattr(meta, key) != getattr(self.meta, key):
                     raise ShardDataError(
                         f"shard {row.file}: metadata {key}={getattr(meta, key)!r}, expected "
-                        f"{getattr(self.meta, key)!r} as in {self._rows[0].file}; the shards come from different "
+                        f"{getattr(self.meta, key)!r} as in {self._meta_source()}; the shards come from different "
                         f"extraction runs; re-extract into an empty shards_dir"
                     )
             offsets = f.get_tensor("sample_offsets")
@@ -273,8 +308,18 @@ class ShardSamples:
             self._offsets[shard] = offsets
         return self._offsets[shard]
 
+    def _meta_source(self) -> str:
+        return f"{self.where}/extract.json" if self.stream is not None else self._rows[0].file
+
     def stored_tensors(self) -> dict[str, StoredTensor]:
         """The dtype and row shape of every per-token tensor a sample has (the first shard's; every shard agrees)."""
+        if (
+            self.stream is not None
+        ):  # verified shards hold exactly these (eyas.verify.checks), shard 0 may not exist yet
+            layout = {**self.meta.encoding.feature_layout(0, num_aux=self.meta.num_aux, hidden_size=self.meta.hidden_size),
+                      "input_ids": ("I64", (0,)), "loss_mask": ("U8", (0,))}  # fmt: skip
+            return {n: StoredTensor(ST_TORCH[dt], shape[1:], 0, 0) for n, (dt, shape) in layout.items()
+                    if n in [*self._feature_names, "input_ids", "loss_mask"]}  # fmt: skip
         with self._read_lock:
             if 0 not in self._layouts:
                 with self._opened(0) as path:
@@ -284,6 +329,7 @@ class ShardSamples:
     def num_tokens(self, index: int) -> int:
         """The sample's token count (its shard's sample_offsets, read once per shard)."""
         shard, local = self.locate(index)
+        self._await_verified(shard)
         with self._read_lock:
             if shard not in self._offsets:
                 with self._opened(shard) as path, safe_open(path, framework="pt") as f:
@@ -295,6 +341,7 @@ class ShardSamples:
         """The sample's first n tokens of each stored tensor (input_ids, loss_mask and the features as stored, by
         their names in the shard) read straight into `into[name]`, contiguous [n, ...] (a batch's row): no copy
         in between. Checked as load_sample checks."""
+        self._await_verified(self.locate(index)[0])
         with self._read_lock:
             self._load_sample(index, decoded=False, into=into)
 
@@ -303,6 +350,7 @@ class ShardSamples:
         last_hidden [T, H], or topk_ids and topk_logprobs [T, K]. `decoded=False` leaves float8 aux as stored,
         with their aux_scales [T, n_aux], for decode_aux where the batch lies (eyas.train.input_pipeline).
         Safe to call from several threads (one read at a time)."""
+        self._await_verified(self.locate(index)[0])
         with self._read_lock:
             return self._load_sample(index, decoded)
 

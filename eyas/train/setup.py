@@ -54,18 +54,24 @@ CACHE_DIR = "shard-cache"
 
 
 def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
-    """The job's shards: the local directory, or (train.cache_bytes > 0) its storage through rank's cache."""
+    """The job's shards: the local directory, or (train.cache_bytes > 0) its storage through rank's cache; with
+    job.stream, each shard waited for until it is verified (the wait said through the rank's log)."""
     t = job.train
+
+    def rank_log(message: str) -> None:
+        print(f"[eyas.train] rank {rank}: {message}", flush=True)
+
     if not t.cache_bytes:
         checks = NodeReadChecks.for_this_launch() if t.verify_reads else None  # each shard hashed once per node
         return ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=t.verify_reads,
-                            read_checks=checks)  # fmt: skip
+                            read_checks=checks, stream=job.stream, log=rank_log)  # fmt: skip
     return ShardSamples(
         open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url),
         max_samples=job.max_samples,
         cache_dir=cache_root(job) / f"rank-{rank}",
         cache_bytes=t.cache_bytes,
-        log=lambda message: print(f"[eyas.train] rank {rank}: {message}", flush=True),
+        stream=job.stream,
+        log=rank_log,
     )
 
 

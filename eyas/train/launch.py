@@ -29,8 +29,7 @@ from eyas.fsio import atomic_write_text
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
 from eyas.train.data import total_steps
 from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
-from eyas.train.metrics import parse_metric_line
-from eyas.train.node_agents import MetricsFollower
+from eyas.train.metrics import MetricsFollower, parse_metric_line
 from eyas.train.nodes import clear_stop, raise_if_stopped
 from eyas.train.preflight import record_launch
 

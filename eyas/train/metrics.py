@@ -9,12 +9,17 @@ A run first cuts the file back to the checkpoint it resumed from (`truncate_metr
 after it are trained again, so the file holds exactly one record per step after any number of resumes.
 A line that is not a record (a write a kill cut short) is reported and cut there, so that appends go on
 from a clean line; steps missing before the checkpoint (a file cut by hand) are reported too.
+On several nodes global rank 0 may run on any node: the first node's launcher follows the file instead of its own
+agent's output (`MetricsFollower`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import threading
 from pathlib import Path
+from typing import Callable
 
 from eyas.fsio import atomic_write_text
 
@@ -104,3 +109,51 @@ def truncate_metrics(output_dir: Path, step: int) -> int:
     if len(kept) != len(records) or torn or text and not text.endswith(b"\n"):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(records) - len(kept)
+
+
+class MetricsFollower:
+    """Hands every record appended to RUN/train/metrics.jsonl to `on_metric` while a launch runs (a thread reading
+    new lines every `poll_s`); records already there when it starts are not handed on. A resumed launch cuts the
+    file back to its checkpoint (eyas.train.metrics.truncate_metrics): the follower then reads on from the cut."""
+
+    def __init__(self, train_dir: Path, on_metric: Callable[[dict], None], *, poll_s: float = 1.0):
+        self.path, self.on_metric, self.poll_s = Path(train_dir) / METRICS_FILE, on_metric, poll_s
+        self.offset = self.path.stat().st_size if self.path.is_file() else 0
+        self.stopped = threading.Event()
+        context = contextvars.copy_context()  # the caller's (a task run's logger and client) in the thread too
+        self.thread = threading.Thread(
+            target=context.run, args=(self._follow,), name="eyas-metrics-follower", daemon=True
+        )
+
+    def __enter__(self) -> "MetricsFollower":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.read_new()  # what the last step appended after the last poll
+
+    def _follow(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            self.read_new()
+
+    def read_new(self) -> None:
+        if not self.path.is_file():
+            return
+        with open(self.path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < self.offset:  # cut back by a resumed launch
+                self.offset = size
+            f.seek(self.offset)
+            text = f.read()
+        complete = text[: text.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:  # a line a killed rank tore: the next launch cuts it (truncate_metrics)
+                print(f"{self.path}: not a metric record, not followed: {line[:120]!r}", flush=True)
+                continue
+            if record is not None:
+                self.on_metric(record)

@@ -9,23 +9,19 @@ training flow's own machine) writes the job file and starts the further nodes (a
 deployment, tasks/train.py); a further node checks that the job file is the job its own config gives, so a node
 launched with another config (another checkout, another shard set) stops before it joins. Global rank 0, which
 writes metrics.jsonl and the checkpoints, may be on any node (torch ranks the nodes in the order of their
-descriptors), so the first node follows metrics.jsonl rather than its own agent's output (`MetricsFollower`).
+descriptors), so the first node follows metrics.jsonl rather than its own agent's output (eyas.train.metrics.MetricsFollower).
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
-from eyas.train.metrics import METRICS_FILE
 
 JOB_WAIT_S = 600  # a further node started before the first node wrote the job file waits this long for it
 
@@ -111,51 +107,3 @@ def wait_for_job(job_path: Path, expected: str, node_index: int, wait_s: float) 
             f"{', '.join(differing)}): every node must train the same job from the same paths; start this node "
             "with the first node's config, on the same shared storage paths"
         )
-
-
-class MetricsFollower:
-    """Hands every record appended to RUN/train/metrics.jsonl to `on_metric` while a launch runs (a thread reading
-    new lines every `poll_s`); records already there when it starts are not handed on. A resumed launch cuts the
-    file back to its checkpoint (eyas.train.metrics.truncate_metrics): the follower then reads on from the cut."""
-
-    def __init__(self, train_dir: Path, on_metric: Callable[[dict], None], *, poll_s: float = 1.0):
-        self.path, self.on_metric, self.poll_s = Path(train_dir) / METRICS_FILE, on_metric, poll_s
-        self.offset = self.path.stat().st_size if self.path.is_file() else 0
-        self.stopped = threading.Event()
-        context = contextvars.copy_context()  # the caller's (a task run's logger and client) in the thread too
-        self.thread = threading.Thread(
-            target=context.run, args=(self._follow,), name="eyas-metrics-follower", daemon=True
-        )
-
-    def __enter__(self) -> "MetricsFollower":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
-        self.thread.join()
-        self.read_new()  # what the last step appended after the last poll
-
-    def _follow(self) -> None:
-        while not self.stopped.wait(self.poll_s):
-            self.read_new()
-
-    def read_new(self) -> None:
-        if not self.path.is_file():
-            return
-        with open(self.path, "rb") as f:
-            size = f.seek(0, 2)
-            if size < self.offset:  # cut back by a resumed launch
-                self.offset = size
-            f.seek(self.offset)
-            text = f.read()
-        complete = text[: text.rfind(b"\n") + 1]  # a line still being written is read next time
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            try:
-                record = json.loads(line) if line.strip() else None
-            except ValueError:  # a line a killed rank tore: the next launch cuts it (truncate_metrics)
-                print(f"{self.path}: not a metric record, not followed: {line[:120]!r}", flush=True)
-                continue
-            if record is not None:
-                self.on_metric(record)

@@ -90,7 +90,7 @@ class NodeRecorder:
             "ranks": list(range(first, first + place["local_world_size"])),
             "world_size": place["world_size"],
             "pid": os.getpid(),
-            "process_start": _start_time(os.getpid()),
+            "process_start": process_start_time(os.getpid()),
         }
 
     def write(self, step: int, state: str) -> None:
@@ -111,10 +111,15 @@ class NodeRecorder:
             self.write(step, "training")
 
 
-def _start_time(pid: int) -> int | None:
-    from eyas.train.preflight import process_start_time
-
-    return process_start_time(pid)
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` in clock ticks (field 22 of /proc/PID/stat); None if gone, or exited and not
+    yet reaped by its parent (a zombie, state Z: it runs nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def read_node_records(train_dir: Path) -> list[dict]:
@@ -152,7 +157,7 @@ def _liveness(record: dict, now: float, host: str) -> dict:
         alive, why = False, f"{record['state']} at step {record['step']}"
     elif seen > SILENT_AFTER_S:
         alive, why = False, f"not seen for {seen:.0f} s (last {record['state']} at step {record['step']})"
-    elif record["host"] == host and _start_time(record["pid"]) != record.get("process_start"):
+    elif record["host"] == host and process_start_time(record["pid"]) != record.get("process_start"):
         alive, why = False, f"process {record['pid']} is gone (last {record['state']} at step {record['step']})"
     else:
         alive, why = True, f"{record['state']}, seen {seen:.0f} s ago"

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from eyas.config import RunConfig, TrainConfig
 from eyas.fsio import atomic_write_text
 from eyas.train.devices import MIB, DeviceQueryFailed, query_devices, usable_cores
-from eyas.train.nodes import SILENT_AFTER_S, job_nodes, request_stop
+from eyas.train.nodes import SILENT_AFTER_S, job_nodes, process_start_time, request_stop
 
 if TYPE_CHECKING:
     from eyas.facts import RunFacts
@@ -56,17 +56,6 @@ class PreflightReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` in clock ticks (field 22 of /proc/PID/stat); None if gone, or exited and not
-    yet reaped by its parent (a zombie, state Z: it runs nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[19])
 
 
 def record_launch(train_dir: Path, pid: int, cmd: list[str]) -> None:

@@ -31,8 +31,8 @@ LIBRARY_RANKS = {
     "eyas.objective": 2,
     "eyas.shards": 3,
     "eyas.facts": 3,
+    "eyas.verify": 3.5,  # checks shards; a streamed extraction verifies each shard as it commits (eyas.extract.streamed)
     "eyas.extract": 4,
-    "eyas.verify": 4,
     "eyas.train": 4,
     "eyas.gate": 5,
     "eyas.export": 5,

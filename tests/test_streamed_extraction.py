@@ -23,9 +23,9 @@ from eyas.facts import facts_for
 from eyas.shards.format import shard_filename
 from eyas.shards.manifest import ROWS_DIR, read_manifest
 from eyas.shards.shard_set import QUARANTINE_DIR
+from eyas.shards.verdicts import read_verdicts, verdict_name, verified_row
 from eyas.storage import open_storage
 from eyas.train.stream_order import stream_order
-from eyas.verify.arrivals import read_verdicts, verdict_name, verified_row
 
 CFG = ExtractConfig(shard_bytes=1 << 16, batch_size=8)  # a few samples per shard of the random target (H=64)
 NUM_SAMPLES = 60

@@ -33,18 +33,11 @@ from eyas.shards.manifest import (
 )
 from eyas.shards.shard_set import QUARANTINE_DIR
 from eyas.shards.synthetic import SYNTHETIC_DATASET_HASH, SyntheticSpec
+from eyas.shards.verdicts import ShardWaitTimeout, read_verdicts, verdict_name, verified_row, wait_verified
 from eyas.storage import open_storage
 from eyas.target import target_fingerprint
 from eyas.train.stream_order import stream_order
-from eyas.verify.arrivals import (
-    ArrivalVerifier,
-    ShardWaitTimeout,
-    arrival_verifier,
-    read_verdicts,
-    verdict_name,
-    verified_row,
-    wait_verified,
-)
+from eyas.verify.arrivals import ArrivalVerifier, arrival_verifier
 from eyas.verify.checks import ExpectedShardMeta
 from eyas.verify.shard_set import verify_shards
 
@@ -246,7 +239,8 @@ def test_a_verifier_against_another_dataset_is_refused(tmp_path, source):
 CHILD = """
 import json, os, signal, sys
 from eyas.storage import open_storage
-from eyas.verify.arrivals import ArrivalVerifier, verdict_name
+from eyas.shards.verdicts import verdict_name
+from eyas.verify.arrivals import ArrivalVerifier
 from eyas.verify.checks import ExpectedShardMeta
 a = json.loads(sys.argv[1])
 store = open_storage(a["store"], endpoint_url=a["endpoint"])

@@ -39,8 +39,9 @@ from eyas.shards.format import write_shard
 from eyas.shards.manifest import record_row
 from eyas.shards.shard_set import ExtractRunMeta, extraction_lock
 from eyas.shards.sync import sync_to_local
+from eyas.shards.verdicts import drop_verdicts
 from eyas.storage import Storage
-from eyas.verify.arrivals import ArrivalVerifier, arrival_verifier, drop_verdicts
+from eyas.verify.arrivals import ArrivalVerifier, arrival_verifier
 
 
 class ShardQueue:

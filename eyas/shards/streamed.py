@@ -24,8 +24,8 @@ from eyas.config import StreamSource
 from eyas.shards.format import ShardMeta, ShardPlan, shard_filename
 from eyas.shards.manifest import ManifestRow
 from eyas.shards.shard_set import RUN_META_NAME, read_run_meta
+from eyas.shards.verdicts import LOG_EVERY_S, verified_row, wait_verified
 from eyas.storage import Storage
-from eyas.verify.arrivals import LOG_EVERY_S, verified_row, wait_verified
 
 POLL_S = 1.0  # how often a waiting reader looks at the store
 SAY_EVERY_S = LOG_EVERY_S  # how often a wait says it still waits

@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 from eyas.config import ExtractConfig
 from eyas.dataset.table import TokenizedDataset
 from eyas.extract.plan import (
+    ResumePlan,
     assign_shards,
     check_shard_order,
     describe_extraction,
@@ -38,7 +39,7 @@ from eyas.extract.worker import run_worker
 from eyas.facts import RunFacts
 from eyas.shards.format import ShardPlan
 from eyas.shards.manifest import done_shard_indices
-from eyas.shards.shard_set import extraction_lock
+from eyas.shards.shard_set import ExtractRunMeta, extraction_lock
 from eyas.shards.sync import sync_to_local
 from eyas.storage import Storage
 
@@ -233,8 +234,24 @@ def run_extraction(
         parts = [part for part in assign_shards(rp.todo, cfg.num_workers, order=shard_order) if part]
         start = launch or thread_launch(cfg, facts, target_dtype=target_dtype, store=store, pool=pool)
         results = follow_workers(start(parts, on_shard), tracker, progress, poll_s)
-        tokens_total = finish_extraction(store, plan)
-        local_copy = sync_to_local(store, facts.shards_dir) if facts.shards_dir else {"fetched": 0, "kept": 0}
+        return finish_and_summarize(store, facts, run, plan, rp, t0=t0, num_workers=len(parts), workers=results)
+
+
+def finish_and_summarize(
+    store: Storage,
+    facts: RunFacts,
+    run: ExtractRunMeta,
+    plan: list[ShardPlan],
+    rp: ResumePlan,
+    *,
+    t0: float,
+    num_workers: int,
+    workers: list[dict],
+) -> ExtractSummary:
+    """The end of an extraction (offline or streamed): every planned shard has its row (finish_extraction), the
+    local copy is brought in line, and what was done is summed up."""
+    tokens_total = finish_extraction(store, plan)
+    local_copy = sync_to_local(store, facts.shards_dir) if facts.shards_dir else {"fetched": 0, "kept": 0}
     return ExtractSummary(
         shards_total=len(plan),
         shards_written=len(rp.todo),
@@ -247,8 +264,8 @@ def run_extraction(
         seconds=time.perf_counter() - t0,
         aux_layer_ids=list(run.aux_layer_ids),
         hidden_size=run.hidden_size,
-        num_workers=len(parts),
+        num_workers=num_workers,
         storage=store.url,
         local_copy=local_copy,
-        workers=results,
+        workers=workers,
     )

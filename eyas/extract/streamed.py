@@ -31,14 +31,13 @@ from typing import Callable
 from eyas.config import RunConfig
 from eyas.dataset.table import TokenizedDataset
 from eyas.extract.backends import open_backend
-from eyas.extract.coordinator import ExtractionProgress, ExtractSummary
-from eyas.extract.plan import ResumePlan, check_shard_order, describe_extraction, finish_extraction, resume_plan
+from eyas.extract.coordinator import ExtractionProgress, ExtractSummary, finish_and_summarize
+from eyas.extract.plan import ResumePlan, check_shard_order, describe_extraction, resume_plan
 from eyas.extract.worker import WorkerSummary, extract_shard_tensors, worker_device
 from eyas.facts import RunFacts
 from eyas.shards.format import write_shard
 from eyas.shards.manifest import record_row
 from eyas.shards.shard_set import ExtractRunMeta, extraction_lock
-from eyas.shards.sync import sync_to_local
 from eyas.shards.verdicts import drop_verdicts
 from eyas.storage import Storage
 from eyas.verify.arrivals import ArrivalVerifier, arrival_verifier
@@ -221,22 +220,4 @@ def run_streamed_extraction(
         if healing.count:
             log(f"streamed extraction: {healing.count} quarantined shards written again in this run "
                 f"({', '.join(f'{k:05d}' for k in sorted(healing.reasons))})")  # fmt: skip
-        tokens_total = finish_extraction(store, plan)
-        local_copy = sync_to_local(store, facts.shards_dir) if facts.shards_dir else {"fetched": 0, "kept": 0}
-    return ExtractSummary(
-        shards_total=len(plan),
-        shards_written=len(rp.todo),
-        shards_skipped=len(rp.done),
-        unlisted_rewritten=rp.unlisted,
-        strays_removed=rp.strays_removed,
-        samples_total=facts.num_samples,
-        tokens_written=sum(plan[i].num_tokens for i in rp.todo),
-        tokens_total=tokens_total,
-        seconds=time.perf_counter() - t0,
-        aux_layer_ids=list(run.aux_layer_ids),
-        hidden_size=run.hidden_size,
-        num_workers=num_workers,
-        storage=store.url,
-        local_copy=local_copy,
-        workers=results,
-    )
+        return finish_and_summarize(store, facts, run, plan, rp, t0=t0, num_workers=num_workers, workers=results)

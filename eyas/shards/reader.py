@@ -313,9 +313,8 @@ class ShardSamples:
 
     def stored_tensors(self) -> dict[str, StoredTensor]:
         """The dtype and row shape of every per-token tensor a sample has (the first shard's; every shard agrees)."""
-        if (
-            self.stream is not None
-        ):  # verified shards hold exactly these (eyas.verify.checks), shard 0 may not exist yet
+        # streaming: shard 0 may not exist yet, and every verified shard holds exactly these (eyas.verify.checks)
+        if self.stream is not None:
             layout = {**self.meta.encoding.feature_layout(0, num_aux=self.meta.num_aux, hidden_size=self.meta.hidden_size),
                       "input_ids": ("I64", (0,)), "loss_mask": ("U8", (0,))}  # fmt: skip
             return {n: StoredTensor(ST_TORCH[dt], shape[1:], 0, 0) for n, (dt, shape) in layout.items()

@@ -243,6 +243,45 @@ class Screens:
         return path
 
 
+FORM_PROBLEMS_JS = """() => [...document.querySelectorAll('[aria-invalid=true], [role=alert], .text-destructive')]
+  .map(el => (el.getAttribute('aria-label') || el.name || '') + ': ' + (el.innerText || '').trim()).slice(0, 20)"""
+
+
+def submit_custom_run(page, shot, *, timeout_ms: float = 60_000) -> str:
+    """Click the custom-run form's Submit and return the id of the flow run the UI created.
+
+    The UI validates the parameters against the schema (a request to the server), then POSTs
+    /deployments/{id}/create_flow_run. When no such request follows a click within timeout_ms (the
+    click was lost, or the form refused), the screenshot, the form's error texts and the browser's console
+    errors name what happened; a lost click is retried once (no run exists yet, so none is doubled)."""
+    console: list[str] = []
+    page.on("console", lambda msg: console.append(msg.text) if msg.type == "error" else None)
+
+    def is_create(response) -> bool:
+        return response.request.method == "POST" and response.url.split("?")[0].endswith("/create_flow_run")
+
+    for attempt in (1, 2):
+        try:
+            with page.expect_response(is_create, timeout=timeout_ms) as created:
+                page.get_by_role("button", name="Submit").click()
+        except Exception as exc:  # playwright's TimeoutError: no create request followed the click
+            if "Timeout" not in type(exc).__name__:
+                raise
+            path = shot(f"submit-{attempt}-no-run-created", full_page=True)
+            problems = page.evaluate(FORM_PROBLEMS_JS)
+            if attempt == 2 or problems:
+                raise AssertionError(
+                    f"Submit created no flow run in {timeout_ms / 1000:.0f} s (try {attempt}); the form shows "
+                    f"{problems or 'no errors'}; browser console errors: {console[-5:] or 'none'}; "
+                    f"screenshot {path}"
+                ) from None
+            continue
+        response = created.value
+        assert response.ok, f"create_flow_run answered {response.status}: {response.text()[:2000]}"
+        return response.json()["id"]
+    raise AssertionError("unreachable")
+
+
 def launch_chromium(playwright):
     """Debian's Chromium (make install puts it at /usr/bin/chromium); Playwright's own builds are not used."""
     if not CHROMIUM.exists():

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 import yaml
-from browser import REPO, WAITING_FOR_INPUT, LocalPrefect, Screens, launch_chromium, local_only
+from browser import REPO, WAITING_FOR_INPUT, LocalPrefect, Screens, launch_chromium, local_only, submit_custom_run
 
 from eyas.config import RunConfig, load_run_config
 
@@ -168,14 +168,13 @@ def test_user_runs_the_pipeline_from_the_ui_and_approves_it_there(local_prefect,
             expect(epochs).to_have_value(str(EPOCHS_DEPLOYED))
             epochs.fill(str(EPOCHS_IN_FORM))
             shot("custom-run-form")
-            page.get_by_role("button", name="Submit").click()
+            run_id = submit_custom_run(page, shot)
             view_run = page.get_by_role("link", name="View run").or_(page.get_by_role("button", name="View run"))
             expect(view_run.first).to_be_visible()
             shot("run-submitted")
             view_run.first.click()
-            page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
+            page.wait_for_url(re.compile(rf"/runs/flow-run/{run_id}"))
             run_url = page.url.split("?")[0]
-            run_id = run_url.rsplit("/", 1)[1]
             settle(page)
             shot("run-page")
             timings["browser: log in, start a custom run"] = time.monotonic() - t

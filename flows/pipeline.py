@@ -1,5 +1,11 @@
 """Flow `pipeline`: dataset -> extract -> verify -> smoke run -> approval gate -> train -> export -> benchmark.
 
+With train.start='streaming': dataset -> extract and verify the smoke run's shards -> smoke run -> approval gate
+-> extraction (the `extract-stream` flow) and training at once -> export -> benchmark. A trainer that fails
+leaves the extraction running to its end, then the run fails with the trainer's reason; an extraction that fails
+asks the trainer to stop at its next step (a checkpoint there; a rank already waiting for a shard says which),
+then the run fails with the extraction's reason. Running the pipeline again resumes both.
+
 Run from a deployment, the gate suspends the run (no process held) and the worker runs it again
 from the top once answered: every stage before the gate comes back from cache (tasks/caching.py)
 or from its durable state (the extraction manifest). Training resumes from its newest complete
@@ -15,12 +21,14 @@ from flows.bench import bench_flow
 from flows.dataset import build_dataset_flow
 from flows.export import export_flow
 from flows.extract import extract_flow
+from flows.stream import extract_stream_flow
 from flows.train import train_flow
 from flows.verify import verify_flow
 from tasks.attempts import settle_earlier_attempts
 from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
-from tasks.train import preflight, smoke_run
+from tasks.stream import extract_stream, smoke_shards, stop_training
+from tasks.train import launch_torchrun, preflight, smoke_run
 
 
 @flow(name="pipeline", log_prints=True)
@@ -30,6 +38,8 @@ def pipeline(config: RunConfig) -> dict:
     check_run_inputs(config, list(STAGES))  # every stage's inputs, before the first answer is generated
     dataset = build_dataset_flow(config)
     facts = resolve_run_facts(config)
+    if config.train.start == "streaming":
+        return streamed(config, facts, dataset)
     extract_flow(config, facts)
     verified = verify_flow(config, facts)
     devices = preflight(config, facts)  # before the smoke run: a GPU run's smoke runs on a training device
@@ -37,5 +47,26 @@ def pipeline(config: RunConfig) -> dict:
     summary = gate_summary(config, facts, dataset["dataset"], verified, smoke, devices)
     approval = approval_gate(config, summary, num_samples=facts.num_samples, accept_overrides=True)
     train_flow(apply_overrides(config, approval.overrides()), facts, require_approval=False)
+    export_dir = export_flow(config)
+    return bench_flow(config, export_dir)
+
+
+def streamed(config: RunConfig, facts, dataset: dict) -> dict:
+    """train.start='streaming' after the dataset: the gate on the smoke run's shards, then extraction and training
+    together (see the module docstring for a failure of either side)."""
+    extracted = extract_stream(config, facts, only=smoke_shards(config, facts))
+    devices = preflight(config, facts)
+    smoke = smoke_run(config, facts)
+    verified = {"mode": f"{config.verify.mode}, each shard on arrival, before any rank reads it"}
+    summary = gate_summary(config, facts, dataset["dataset"], verified, smoke, devices, extracted=extracted)
+    approval = approval_gate(config, summary, num_samples=facts.num_samples, accept_overrides=True)
+    training = launch_torchrun.submit(apply_overrides(config, approval.overrides()), facts)
+    try:
+        extract_stream_flow(config, facts)
+    except BaseException:
+        stop_training(config)  # it would wait for shards that no producer writes
+        training.wait()
+        raise
+    training.result()
     export_dir = export_flow(config)
     return bench_flow(config, export_dir)

@@ -104,12 +104,21 @@ class TrainingRejected(RuntimeError):
 # Formatting of its inputs: cheap, not cached, nothing to retry.
 @task(name="gate-summary", cache_policy=NO_CACHE)
 def gate_summary(
-    config: RunConfig, facts: RunFacts, dataset: dict, verified: dict, smoke: dict, devices: dict
+    config: RunConfig,
+    facts: RunFacts,
+    dataset: dict,
+    verified: dict,
+    smoke: dict,
+    devices: dict,
+    extracted: dict | None = None,
 ) -> GateSummary:
-    """What a reviewer sees: above the approval form, in the terminal, and in full as an artifact."""
+    """What a reviewer sees: above the approval form, in the terminal, and in full as an artifact (`extracted`: a
+    streamed run's extraction of the smoke run's shards)."""
     if config.train.num_nodes != 1 and config.train.node_deployment and not config.train.rdzv_endpoint:
         config = with_rendezvous_at(config, this_node_address())  # the command the launch will run here
-    return summaries(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
+    return summaries(
+        config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices, extracted=extracted
+    )
 
 
 def publish_summary(config: RunConfig, summary: GateSummary) -> str:

@@ -27,7 +27,15 @@ from eyas.config.sources import (
     VerifyConfig,
 )
 from eyas.config.stages import ApprovalConfig, BenchConfig, ExportConfig, SGLangEnvConfig, SmokeConfig
-from eyas.config.train import C10D_DEFAULT_PORT, DRAFT_VARIANTS, DraftConfig, TrainConfig, parse_num_nodes, variant_of
+from eyas.config.train import (
+    C10D_DEFAULT_PORT,
+    DRAFT_VARIANTS,
+    DraftConfig,
+    TrainConfig,
+    check_streaming,
+    parse_num_nodes,
+    variant_of,
+)
 
 __all__ = [
     "C10D_DEFAULT_PORT",
@@ -86,6 +94,11 @@ class RunConfig(StrictModel):
                 f"extract.storage_url={self.extract.storage_url!r} keeps them in the run's local shards dir already; "
                 f"set train.cache_bytes to 0, or extract.storage_url to s3://bucket/prefix"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _streaming_is_possible(self) -> "RunConfig":
+        check_streaming(self.train, self.extract)
         return self
 
     @property

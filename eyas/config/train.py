@@ -270,6 +270,17 @@ class TrainConfig(StrictModel):
         description="how long a rank waits in a collective (e.g. while rank 0 writes or restores a checkpoint) "
         "before the process group gives up; passed to init_process_group",
     )
+    start: Literal["offline", "streaming"] = Field(
+        default="offline",
+        description="offline = extract and verify every shard, smoke run, approval gate, then train on the finished "
+        "shard set; streaming = the approval gate comes before extraction (after a smoke run on the shards its "
+        "samples need, extracted first), then extraction and training run together: the shards are extracted in "
+        "the order the trainer first needs them, each verified on arrival, and every rank waits for a shard's "
+        "verdict before reading it; the same sample sequence and weights as offline",
+        # the default is left out of every dump, so that an offline run's job file, config hashes, cached results
+        # and approvals read as they did before this field existed
+        exclude_if=lambda start: start == "offline",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -360,6 +371,27 @@ class TrainConfig(StrictModel):
                 f"{url!r} is not an s3:// URL; set checkpoint_copy_url to s3://bucket/prefix or clear s3_endpoint_url"
             )
         return self
+
+
+def check_streaming(train: TrainConfig, extract) -> None:
+    """train.start='streaming' against the extraction it runs beside (extract: ExtractConfig): a ValueError naming
+    the fix for a combination the streamed extraction cannot run."""
+    if train.start != "streaming":
+        return
+    if extract.fanout != "local":
+        raise ValueError(
+            f"train.start='streaming' with extract.fanout={extract.fanout!r}: the streamed extraction runs its "
+            f"extract.num_workers workers in the producer's own process (each shard verified as it commits), it "
+            f"starts no extract-worker flow runs; set extract.fanout='local' (and extract.num_workers), or "
+            f"train.start='offline'"
+        )
+    if extract.storage_url and not train.cache_bytes:
+        raise ValueError(
+            f"train.start='streaming' with extract.storage_url={extract.storage_url!r} and train.cache_bytes=0: the "
+            f"trainer would read the run's local copy of the shards, which is brought in line only once extraction "
+            f"ends; set train.cache_bytes (each rank then reads S3 through its cache as shards are verified), or "
+            f"leave extract.storage_url empty, or set train.start='offline'"
+        )
 
 
 def _endpoint_with_port(endpoint: str, num_nodes: int | str) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -132,9 +132,9 @@ class _Healing:
 
 def _follow(
     verifier: ArrivalVerifier, queue: ShardQueue, committed: threading.Event, futures: list[Future], *,
-    num_shards: int, healing: _Healing, poll_s: float, progress: Callable[[int], None],
+    needed: set[int], healing: _Healing, poll_s: float, progress: Callable[[int], None],
 ) -> None:  # fmt: skip
-    """Verify what commits, requeue what is quarantined, until every planned shard is verified; a worker's failure
+    """Verify what commits, requeue what is quarantined, until every `needed` shard is verified; a worker's failure
     ends the run (raised)."""
     while True:
         committed.clear()
@@ -143,7 +143,7 @@ def _follow(
                 healing.quarantined(result.shard, result.reason)
                 queue.put(result.shard)
         progress(len(verifier.verified))
-        if len(verifier.verified) == num_shards:
+        if needed <= verifier.verified:
             return
         for f in futures:
             if f.done():
@@ -192,11 +192,16 @@ def run_streamed_extraction(
     log: Callable[[str], None] = print,
     progress: Callable[[dict], None] | None = None,
     poll_s: float = 1.0,
+    only: Collection[int] | None = None,
 ) -> ExtractSummary:
     """Extract the planned shards without a row in `shard_order` (every planned shard once; default the plan's
     order) with `config.extract.num_workers` workers while verifying each as it commits; a quarantined shard is
     written again ahead of the shards needed after it. Returns when every planned shard is verified. `store`
-    overrides the run's storage (facts); `progress` gets ExtractionProgress snapshots with `shards_verified`."""
+    overrides the run's storage (facts); `progress` gets ExtractionProgress snapshots with `shards_verified`.
+
+    `only`: extract and verify these shards alone (those a smoke run reads) and return once each is verified,
+    without the end of a whole extraction (no manifest compaction, no local copy); the summary counts these
+    shards only (shards_total, samples_total and tokens_total are theirs)."""
     t0, cfg = time.perf_counter(), config.extract
     store = facts.storage() if store is None else store
     with extraction_lock(store), ThreadPoolExecutor(max_workers=cfg.num_workers) as pool:
@@ -204,7 +209,9 @@ def run_streamed_extraction(
         order = list(range(len(plan))) if shard_order is None else list(shard_order)
         rp = _resume(store, run, plan, order, log)
         verifier = arrival_verifier(config, facts, order=order, log=log, store=store)
-        queue = ShardQueue(rp.todo, {shard: k for k, shard in enumerate(order)})
+        needed = set(range(len(plan)) if only is None else _planned(only, len(plan)))
+        todo = [k for k in rp.todo if k in needed]
+        queue = ShardQueue(todo, {shard: k for k, shard in enumerate(order)})
         committed, healing = threading.Event(), _Healing(config.verify.num_heal_rounds, store.url)
         report = _Progress(ExtractionProgress(store, plan, rp.done), progress)
         kw = dict(config=config, facts=facts, run=run, plan=plan, store=store,
@@ -212,7 +219,7 @@ def run_streamed_extraction(
         num_workers = max(1, min(cfg.num_workers, len(plan)))
         futures = [pool.submit(_work, k, queue, committed, **kw) for k in range(num_workers)]
         try:
-            _follow(verifier, queue, committed, futures, num_shards=len(plan), healing=healing, poll_s=poll_s,
+            _follow(verifier, queue, committed, futures, needed=needed, healing=healing, poll_s=poll_s,
                     progress=report.polled)  # fmt: skip
         finally:
             queue.close()
@@ -220,4 +227,41 @@ def run_streamed_extraction(
         if healing.count:
             log(f"streamed extraction: {healing.count} quarantined shards written again in this run "
                 f"({', '.join(f'{k:05d}' for k in sorted(healing.reasons))})")  # fmt: skip
+        if only is not None:
+            return _summary_of(needed, todo, store, run, plan, t0=t0, num_workers=num_workers, workers=results)
         return finish_and_summarize(store, facts, run, plan, rp, t0=t0, num_workers=num_workers, workers=results)
+
+
+def _planned(only: Collection[int], num_shards: int) -> set[int]:
+    """`only` as a set, each a planned shard index (a ValueError names the others)."""
+    outside = sorted(k for k in only if not 0 <= k < num_shards)
+    if outside or not only:
+        raise ValueError(
+            f"streamed extraction: only={sorted(only)}, expected a non-empty set of planned shard indices 0.."
+            f"{num_shards - 1}; found {outside or 'none'}; pass the shards the reader needs from this plan"
+        )
+    return set(only)
+
+
+def _summary_of(
+    needed: set[int], todo: list[int], store: Storage, run: ExtractRunMeta, plan: list, *, t0: float,
+    num_workers: int, workers: list[dict],
+) -> ExtractSummary:  # fmt: skip
+    """The summary of an extraction of the `needed` shards alone, `todo` of them written in this call."""
+    return ExtractSummary(
+        shards_total=len(needed),
+        shards_written=len(todo),
+        shards_skipped=len(needed) - len(todo),
+        unlisted_rewritten=0,
+        strays_removed=0,
+        samples_total=sum(plan[k].sample_end - plan[k].sample_start for k in needed),
+        tokens_written=sum(plan[k].num_tokens for k in todo),
+        tokens_total=sum(plan[k].num_tokens for k in needed),
+        seconds=time.perf_counter() - t0,
+        aux_layer_ids=list(run.aux_layer_ids),
+        hidden_size=run.hidden_size,
+        num_workers=num_workers,
+        storage=store.url,
+        local_copy={"fetched": 0, "kept": 0},
+        workers=workers,
+    )

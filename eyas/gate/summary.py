@@ -182,9 +182,19 @@ def nodes_text(config: RunConfig) -> str:
     )
 
 
-def review(config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict) -> dict:
+def review(
+    config: RunConfig,
+    facts: RunFacts,
+    *,
+    dataset: dict,
+    verified: dict,
+    smoke: dict,
+    devices: dict,
+    extracted: dict | None = None,
+) -> dict:
     """The facts of the decision, from the stages' summaries (the dataset report, the verification summary, the
-    smoke run, the preflight report; its memory plan under "plan", else computed here)."""
+    smoke run, the preflight report; its memory plan under "plan", else computed here; `extracted`: a streamed
+    run's extraction of the smoke run's shards, ExtractSummary.to_dict, or None)."""
     plan = devices.get("plan") or memory.plan_of_run(config, facts.target)
     modules = [
         {**m, "shapes": ", ".join(shape_items(m["shapes"])), "shape_items": shape_items(m["shapes"])}
@@ -319,11 +329,18 @@ def full_markdown(r: dict, *, dataset: dict, verified: dict, devices: dict) -> s
 
 
 def gate_summary(
-    config: RunConfig, facts: RunFacts, *, dataset: dict, verified: dict, smoke: dict, devices: dict
+    config: RunConfig,
+    facts: RunFacts,
+    *,
+    dataset: dict,
+    verified: dict,
+    smoke: dict,
+    devices: dict,
+    extracted: dict | None = None,
 ) -> GateSummary:
     """The three layouts of the decision; `dataset`, `verified`, `smoke` and `devices` are the stages'
     summaries."""
-    r = review(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices)
+    r = review(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices, extracted=extracted)
     return GateSummary(
         terminal=terminal_text(r),
         dialog=dialog_markdown(r),

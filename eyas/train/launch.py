@@ -23,9 +23,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
-from eyas.config import RunConfig, TrainConfig, TrainJob
+from eyas.config import PlannedShard, RunConfig, StreamSource, TrainConfig, TrainJob
 from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text
+from eyas.shards.encoding import extract_encoding
+from eyas.shards.format import plan_shards
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
 from eyas.train.data import total_steps
 from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
@@ -69,7 +71,9 @@ class TorchrunFailed(RuntimeError):
 
 
 def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None, max_samples: int = 0) -> TrainJob:
-    """The trainer's job for this run (the smoke run passes its own output_dir and sample count)."""
+    """The trainer's job for this run (the smoke run passes its own output_dir and sample count); with
+    train.start='streaming' it carries the shard plan, so that each rank waits for a shard's verdict before reading it
+    (eyas.shards.streamed)."""
     paths = config.paths
     cached = config.train.cache_bytes > 0  # read from storage (S3) through each rank's cache
     return TrainJob(
@@ -83,6 +87,21 @@ def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None
         train=config.train,
         max_samples=max_samples,
         chain_steps=config.bench.num_steps,
+        stream=stream_source(config, facts) if config.train.start == "streaming" else None,
+    )
+
+
+def stream_source(config: RunConfig, facts: RunFacts) -> StreamSource:
+    """What a streamed job reads: the extraction's shard plan (the one eyas.extract.plan.describe_extraction makes,
+    from the sample lengths and the shard size alone), each shard once a verdict of verify.mode names it."""
+    cfg = config.extract
+    bytes_per_token = extract_encoding(cfg).bytes_per_token(hidden_size=facts.hidden_size, num_aux=facts.num_aux)
+    plan = plan_shards(facts.sample_lengths(), bytes_per_token, cfg.shard_bytes)
+    return StreamSource(
+        verify_mode=config.verify.mode,
+        plan=[
+            PlannedShard(sample_start=p.sample_start, sample_end=p.sample_end, num_tokens=p.num_tokens) for p in plan
+        ],
     )
 
 

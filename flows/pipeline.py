@@ -3,8 +3,9 @@
 With train.start='streaming': dataset -> extract and verify the smoke run's shards -> smoke run -> approval gate
 -> extraction (the `extract-stream` flow) and training at once -> export -> benchmark. A trainer that fails
 leaves the extraction running to its end, then the run fails with the trainer's reason; an extraction that fails
-asks the trainer to stop at its next step (a checkpoint there; a rank already waiting for a shard says which),
-then the run fails with the extraction's reason. Running the pipeline again resumes both.
+stops the trainer as `eyas stop` does (every rank after the same step, a checkpoint there; a launcher whose
+ranks wait for a shard is signalled after the stop's wait), then the run fails with the extraction's reason.
+Running the pipeline again resumes both.
 
 Run from a deployment, the gate suspends the run (no process held) and the worker runs it again
 from the top once answered: every stage before the gate comes back from cache (tasks/caching.py)
@@ -63,9 +64,8 @@ def streamed(config: RunConfig, facts, dataset: dict) -> dict:
     training = launch_torchrun.submit(apply_overrides(config, approval.overrides()), facts)
     try:
         extract_stream_flow(config, facts)
-    except BaseException:
-        stop_training(config)  # it would wait for shards that no producer writes
-        training.wait()
+    except Exception:
+        stop_training(config, training)  # its ranks would wait for shards that no producer writes
         raise
     training.result()
     export_dir = export_flow(config)

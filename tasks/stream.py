@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 
 from eyas.config import RunConfig
 from eyas.extract.plan import describe_extraction
 from eyas.extract.streamed import run_streamed_extraction
 from eyas.facts import RunFacts
-from eyas.train.nodes import request_stop
+from eyas.train.preflight import stop_job
 from eyas.train.stream_order import stream_order
 from tasks.reporting import StageProgress
 from tasks.retry import TRANSIENT_IO
+
+STOP_POLL_S = 5.0  # between stop requests while the launch task has not ended
 
 
 def trainer_order(config: RunConfig, facts: RunFacts) -> list[int]:
@@ -47,11 +50,15 @@ def smoke_shards(config: RunConfig, facts: RunFacts) -> list[int]:
     return [p.index for p in plan if p.sample_start < config.smoke.num_samples]
 
 
-def stop_training(config: RunConfig) -> None:
-    """Ask the run's trainer to stop at its next step, as `eyas stop` does (eyas.train.nodes.request_stop), and say
-    why: its producer failed."""
-    request_stop(config.paths.train_dir)
+def stop_training(config: RunConfig, training: PrefectFuture) -> None:
+    """Stop the run's trainer as `eyas stop` does (eyas.train.preflight.stop_job: every rank stops after the same
+    step with a checkpoint there; a launcher still alive after the wait is signalled, e.g. one whose ranks wait for a
+    shard that no producer will write), again until the `training` launch task has ended: a launch that started
+    after a request cleared it."""
     print(
-        f"extraction failed: the trainer in {config.paths.train_dir} was asked to stop at its next step (a checkpoint "
-        "there); a rank waiting for a shard says which in its log; run the pipeline again to resume both"
+        f"extraction failed: stopping the trainer in {config.paths.train_dir} (its checkpoints are kept; run the "
+        "pipeline again to resume extraction and training)"
     )
+    while not training.state.is_final():
+        stop_job(config.paths.train_dir)
+        training.wait(timeout=STOP_POLL_S)

@@ -23,7 +23,18 @@ from eyas.train.launch import train_job
 from eyas.train.metrics import METRICS_FILE, read_metrics
 
 
+def conversations(tiny: Path, path: Path, num_samples: int = 16) -> Path:
+    """`num_samples` of the tiny target's prompts, each answered by the next one's text (no regeneration)."""
+    prompts = [json.loads(line) for line in (tiny / "prompts.jsonl").read_text().splitlines()[: num_samples + 1]]
+    with open(path, "w") as out:
+        for prompt, answer in zip(prompts, prompts[1:]):
+            turns = [*prompt["conversations"], {"role": "assistant", "content": answer["conversations"][0]["content"]}]
+            out.write(json.dumps({"id": prompt["id"], "conversations": turns}) + "\n")
+    return path
+
+
 def run_config(workdir: Path, tiny: Path, start: str = "offline", **sections):
+    workdir.mkdir(parents=True, exist_ok=True)
     return small_run_config(
         workdir,
         tiny,
@@ -34,6 +45,11 @@ def run_config(workdir: Path, tiny: Path, start: str = "offline", **sections):
             "save_every_steps": 4,
             "num_warmup_steps": 2,
             **sections.pop("train", {}),
+        },  # fmt: skip
+        dataset={
+            "prompts_path": str(conversations(tiny, workdir / "conversations.jsonl")),
+            "responses": "as_given",
+            "num_samples": 16,
         },  # fmt: skip
         smoke={"num_samples": 2, "num_steps": 20},
         bench={
@@ -158,6 +174,9 @@ def test_a_streamed_pipeline_gates_on_the_smoke_shards_and_trains_as_offline(pre
     assert seen["trained"] is False
     assert len(seen_offline["manifest"]) == planned  # offline gates after the whole extraction
     assert len(read_manifest(streaming.paths.shards_dir)) == planned
+    job = json.loads((streaming.paths.train_dir / "job.json").read_text())
+    assert len(job["stream"]["plan"]) == planned  # its ranks read each shard once its verdict is there
+    assert json.loads((offline.paths.train_dir / "job.json").read_text())["stream"] is None
 
     a, b = final_weights(offline), final_weights(streaming)
     assert sorted(a) == sorted(b)

@@ -184,3 +184,21 @@ def test_a_streamed_pipeline_gates_on_the_smoke_shards_and_trains_as_offline(pre
     steps_a = [(m["step"], m["sample_ids"]) for m in read_metrics(offline.paths.train_dir / METRICS_FILE)]
     steps_b = [(m["step"], m["sample_ids"]) for m in read_metrics(streaming.paths.train_dir / METRICS_FILE)]
     assert steps_a == steps_b and len(steps_a) > 4
+
+
+def test_only_the_smoke_shards_are_extracted_and_verified(tokenized_run):
+    from eyas.extract.streamed import run_streamed_extraction
+    from eyas.shards.verdicts import read_verdicts
+    from tasks.stream import smoke_shards, trainer_order
+
+    config, facts = tokenized_run
+    only = smoke_shards(config, facts)
+    with pytest.raises(ValueError, match=r"only=\[99\], expected a non-empty set of planned shard indices"):
+        run_streamed_extraction(config, facts, only=[99], log=lambda line: None)
+    summary = run_streamed_extraction(config, facts, shard_order=trainer_order(config, facts), only=only,
+                                      log=lambda line: None, poll_s=0.02)  # fmt: skip
+    assert [r.shard_index for r in read_manifest(config.paths.shards_dir)] == only
+    assert summary.shards_total == summary.shards_written == len(only)
+    assert summary.samples_total >= config.smoke.num_samples
+    verdicts = read_verdicts(config.paths.shards_dir)
+    assert {name.rsplit("/", 1)[-1].split(".")[0] for name in verdicts} == {f"shard-{k:05d}" for k in only}, verdicts

@@ -1,0 +1,413 @@
+"""Streaming (extraction and training at once) against extract-then-train on the tiny preset, each side pinned to
+one core.
+
+    .venv/bin/python bench/streaming.py [--num-samples 960 --sample-tokens 256 --num-epochs 1] [--quick]
+
+Data: the tiny preset (deployments/tiny-cpu.json) with its committed target (fixtures/tiny-target, H 128, float32
+shards of about 2 KiB a token); the samples are the tokenized text of its prompts, cut into samples of
+`--sample-tokens` / 2 .. `--sample-tokens` tokens (loss on each sample's second half; no regeneration, no network),
+and the draft vocab is counted from them. One trainer rank (`python -m eyas.train`, gloo) reads the shards through
+its shard cache (train.cache_bytes: `--cache-shards` shards; train.shuffle_window_shards half of it).
+
+The producer is run_streamed_extraction in a process of its own (each shard verified in full as it commits); the
+trainer is the trainer process. Both runs below use the same producer, the same trainer config and the same shard
+order (eyas.train.stream_order: the order the trainer first needs the shards):
+  sequential: the producer pinned to core A until every shard is verified, then the trainer pinned to core B on
+              the finished store;
+  streamed:   the producer pinned to core A and, started at the same moment, the trainer pinned to core B with
+              TrainJob.stream set: each shard read only once its verdict is there.
+Figures: `first_step_s` = the streamed trainer's first metric record (stamped as its line arrives) minus the
+moment the shards its first step needs were all verified (their verdict files' mtimes), goal <= 10 s;
+`streamed_vs_sequential` = the streamed run's wall time (start to both ended) over the sequential one's, goal
+<= 0.75; `peak_disk_bytes` = the largest size of the streamed trainer's cache directory sampled every 20 ms,
+printed beside its bound `disk_bound_bytes` (train.cache_bytes plus the largest shard, one rank);
+`wait_fraction` = the streamed trainer's summed data_wait_s over its elapsed_s (its metric records). The two
+runs' final weights must be equal (torch.equal, every tensor): the bench refuses to report otherwise.
+The last line is one JSON object with the figures. `--quick` (for the test suite): 48 samples of at most 64 tokens
+in 6 shards, one epoch: the same code path in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from eyas.config import PlannedShard, RunConfig, StreamSource, TrainJob, load_run_config  # noqa: E402
+from eyas.dataset.vocab import ensure_vocab  # noqa: E402
+from eyas.extract.plan import describe_extraction  # noqa: E402
+from eyas.facts import RunFacts, facts_for  # noqa: E402
+from eyas.shards.manifest import read_manifest  # noqa: E402
+from eyas.shards.verdicts import VERDICT_NAME_RE, read_verdicts  # noqa: E402
+from eyas.train.checkpoint import latest_complete  # noqa: E402
+from eyas.train.launch import train_job, write_train_job  # noqa: E402
+from eyas.train.metrics import METRICS_FILE, parse_metric_line, read_metrics  # noqa: E402
+from eyas.train.stream_order import StreamOrder, stream_order  # noqa: E402
+
+PRESET = REPO / "deployments" / "tiny-cpu.json"
+TARGET = REPO / "fixtures" / "tiny-target"
+SAMPLE_EVERY_S = 0.02  # how often the trainer's cache directory is measured
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+class WeightsDiffer(RuntimeError):
+    """The streamed run's final weights are not the sequential run's."""
+
+
+def write_dataset(workdir: Path, *, num_samples: int, sample_tokens: int, draft_vocab_size: int) -> Path:
+    """The tokenized table (RunPaths layout) of the tiny target's prompts, cut into `num_samples` samples of
+    sample_tokens/2..sample_tokens tokens, and its vocab mapping; -> the dataset directory."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+    with open(TARGET / "prompts.jsonl") as f:
+        texts = [json.loads(line)["conversations"][0]["content"] for line in f]
+    stream = [t for text in texts for t in tokenizer.encode(text).ids]
+    rng, at, samples = random.Random(0), 0, []
+    for _ in range(num_samples):
+        n = rng.randint(sample_tokens // 2, sample_tokens)
+        samples.append([stream[(at + i) % len(stream)] for i in range(n)])
+        at += n
+    masks = [[int(i >= len(s) // 2) for i in range(len(s))] for s in samples]
+    content_hash = f"bench-streaming-{num_samples}-{sample_tokens}"
+    table = pa.table({
+        "sample_index": pa.array(range(num_samples), pa.int64()),
+        "id": pa.array([f"s{i}" for i in range(num_samples)]),
+        "input_ids": pa.array(samples, pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, pa.list_(pa.uint8())),
+        "num_tokens": pa.array([len(s) for s in samples], pa.int32()),
+    }).replace_schema_metadata({b"eyas.content_hash": content_hash.encode()})  # fmt: skip
+    out = workdir / "dataset"
+    out.mkdir(parents=True)
+    pq.write_table(table, out / "tokenized.parquet")
+    ids = [t for s in samples for t in s]
+    ensure_vocab(out / "vocab.safetensors", ids, [m for mask in masks for m in mask], content_hash,
+                 json.loads((TARGET / "config.json").read_text())["vocab_size"], draft_vocab_size)  # fmt: skip
+    return out
+
+
+def run_config(workdir: Path, args: argparse.Namespace) -> RunConfig:
+    """The tiny preset at this bench's size, writing under `workdir` (its shards in workdir/shards); validated."""
+    data = load_run_config(PRESET).model_dump()
+    data["train"].update(num_processes=1, num_epochs=args.num_epochs, global_batch_size=args.global_batch_size,
+                         save_every_steps=10_000, shuffle_window_shards=max(1, args.cache_shards // 2),
+                         tensorboard=False)  # fmt: skip
+    data["target"]["model_path"] = str(TARGET)
+    data["extract"]["shard_bytes"] = args.shard_kib << 10
+    return RunConfig.model_validate({**data, "workdir": str(workdir)})
+
+
+def run_facts(config: RunConfig) -> RunFacts:
+    paths = config.paths
+    return facts_for(target_path=config.target.model_path, tokenized_path=paths.tokenized, shards_dir=paths.shards_dir)
+
+
+def produce(config_path: str) -> None:
+    """The producer process: every planned shard extracted and verified, in the trainer's first-need order."""
+    from eyas.extract.streamed import run_streamed_extraction
+
+    torch.set_num_threads(1)
+    config = RunConfig.model_validate_json(Path(config_path).read_text())
+    facts = run_facts(config)
+    _, plan = describe_extraction(config.extract, facts, target_dtype=config.target.dtype)
+    order = stream_order(plan, config.train).shards
+    run_streamed_extraction(config, facts, shard_order=order, target_dtype=config.target.dtype, poll_s=0.05,
+                            log=lambda line: print(f"{time.time():.3f} {line}", flush=True))  # fmt: skip
+
+
+def trainer_job(config: RunConfig, output_dir: Path, *, cache_bytes: int, stream: StreamSource | None) -> TrainJob:
+    """The run's trainer job reading its shards through a cache of `cache_bytes`, streamed when `stream` is set."""
+    job = train_job(config, run_facts(config), output_dir=output_dir)
+    return job.model_copy(update={"train": job.train.model_copy(update={"cache_bytes": cache_bytes}),
+                                  "stream": stream})  # fmt: skip
+
+
+def stream_source(config: RunConfig) -> tuple[StreamSource, StreamOrder]:
+    """The trainer's stream (the run's shard plan) and the order it first needs the shards in."""
+    _, plan = describe_extraction(config.extract, run_facts(config), target_dtype=config.target.dtype)
+    planned = [PlannedShard(sample_start=p.sample_start, sample_end=p.sample_end, num_tokens=p.num_tokens)
+               for p in plan]  # fmt: skip
+    return StreamSource(verify_mode=config.verify.mode, plan=planned), stream_order(plan, config.train)
+
+
+class Child:
+    """A process pinned to one core; its output to a log file, or read line by line with arrival times."""
+
+    def __init__(self, cmd: list[str], core: int, log: Path, *, follow: bool = False):
+        self.log, self.first_metric_at = log, None
+        env = {**os.environ, **CHILD_ENV}
+        out = subprocess.PIPE if follow else open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, {core}))  # fmt: skip
+        self.reader = threading.Thread(target=self._follow, daemon=True) if follow else None
+        if self.reader is not None:
+            self.reader.start()
+        else:
+            out.close()
+
+    def _follow(self) -> None:
+        with open(self.log, "w") as f:
+            for line in self.proc.stdout:
+                if self.first_metric_at is None and parse_metric_line(line) is not None:
+                    self.first_metric_at = time.time()
+                f.write(line)
+
+    def wait(self, what: str) -> float:
+        """Wait for the process to end (refused, with its log's tail, when it fails); -> when it ended."""
+        code = self.proc.wait()
+        ended = time.time()
+        if self.reader is not None:
+            self.reader.join()
+        if code != 0:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"{what}: exited {code}; its log {self.log} ends:\n{tail}")
+        return ended
+
+
+class DiskPeak:
+    """The largest total size of the files under a directory, sampled every SAMPLE_EVERY_S in a thread."""
+
+    def __init__(self, root: Path):
+        self.root, self.peak, self.done = root, 0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _size(self) -> int:
+        total = 0
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:  # evicted or renamed between the listing and the stat: not on disk
+                    pass
+        return total
+
+    def _sample(self) -> None:
+        while not self.done.wait(SAMPLE_EVERY_S):
+            self.peak = max(self.peak, self._size())
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, self._size())
+
+
+def start_producer(config: RunConfig, core: int) -> Child:
+    path = Path(config.workdir) / "run.json"
+    path.write_text(config.model_dump_json())
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--produce", str(path)]
+    return Child(cmd, core, Path(config.workdir) / "producer.log")
+
+
+def start_trainer(job: TrainJob, core: int) -> Child:
+    out = Path(job.output_dir)
+    out.mkdir(parents=True)
+    write_train_job(job, out / "job.json")
+    return Child([sys.executable, "-m", "eyas.train", "--config", str(out / "job.json")], core, out.parent / "train.log",
+                 follow=True)  # fmt: skip
+
+
+def wait_all(children: dict[str, Child]) -> dict[str, float]:
+    """Wait for every child; the first to fail ends the others (a streamed trainer would wait for its producer
+    forever) and is raised. -> name: when it ended."""
+    ended: dict[str, float] = {}
+    while len(ended) < len(children):
+        for name, child in children.items():
+            if name not in ended and child.proc.poll() is not None:
+                if child.proc.returncode != 0:
+                    for other in children.values():
+                        if other.proc.poll() is None:
+                            other.proc.kill()
+                            other.proc.wait()
+                ended[name] = child.wait(name)
+        time.sleep(0.01)
+    return ended
+
+
+def trainer_figures(output_dir: Path) -> dict:
+    """The trainer's metric records summed up: steps, elapsed_s of the last, waited seconds and their share."""
+    records = read_metrics(output_dir / METRICS_FILE)
+    elapsed, waited = records[-1]["elapsed_s"], sum(r["data_wait_s"] for r in records)
+    return {"steps": len(records), "elapsed_s": elapsed, "data_wait_s": round(waited, 3),
+            "wait_fraction": round(waited / elapsed, 4), "sample_ids": [r["sample_ids"] for r in records]}  # fmt: skip
+
+
+def run_sequential(config: RunConfig, cores: tuple[int, int], cache_bytes: int) -> dict:
+    """Extraction to the end on cores[0], then the trainer on cores[1] over the finished store."""
+    out = Path(config.workdir) / "train"
+    t0 = time.time()
+    extracted = wait_all({"sequential producer": start_producer(config, cores[0])})["sequential producer"]
+    trainer = start_trainer(trainer_job(config, out, cache_bytes=cache_bytes, stream=None), cores[1])
+    disk = DiskPeak(out / "shard-cache")
+    ended = wait_all({"sequential trainer": trainer})["sequential trainer"]
+    return {"wall_s": ended - t0, "extract_s": extracted - t0, "train_s": ended - extracted,
+            "peak_disk_bytes": disk.stop(), **trainer_figures(out)}  # fmt: skip
+
+
+def verified_at(shards_dir: Path, shards: list[int], mode: str) -> float:
+    """When the last of `shards` got its verdict of `mode` (the verdict files' mtimes)."""
+    times = {}
+    for name in read_verdicts(shards_dir):
+        match = VERDICT_NAME_RE.match(name)
+        if match.group(2) == mode:
+            times[int(match.group(1))] = (shards_dir / name).stat().st_mtime
+    missing = [k for k in shards if k not in times]
+    if missing:
+        raise RuntimeError(f"{shards_dir}: no {mode} verdict for shards {missing}, which the first step reads; "
+                           f"expected one for every shard of a finished streamed extraction")  # fmt: skip
+    return max(times[k] for k in shards)
+
+
+def run_streamed(config: RunConfig, cores: tuple[int, int], cache_bytes: int) -> dict:
+    """The producer on cores[0] and, from the same moment, the streamed trainer on cores[1]."""
+    out = Path(config.workdir) / "train"
+    stream, order = stream_source(config)
+    t0 = time.time()
+    producer = start_producer(config, cores[0])
+    trainer = start_trainer(trainer_job(config, out, cache_bytes=cache_bytes, stream=stream), cores[1])
+    disk = DiskPeak(out / "shard-cache")
+    ended = wait_all({"streamed producer": producer, "streamed trainer": trainer})
+    needed = order.needed_by(1)
+    ready = verified_at(config.paths.shards_dir, needed, config.verify.mode)
+    return {"wall_s": max(ended.values()) - t0, "extract_s": ended["streamed producer"] - t0,
+            "train_s": ended["streamed trainer"] - t0, "peak_disk_bytes": disk.stop(),
+            "first_step_shards": needed, "first_step_ready_s": ready - t0,
+            "first_step_at_s": trainer.first_metric_at - t0, **trainer_figures(out)}  # fmt: skip
+
+
+def check_same_training(sequential: Path, streamed: Path, seq: dict, streamed_figs: dict) -> int:
+    """The two runs trained on the same samples step by step and their final checkpoints hold equal tensors
+    (torch.equal); -> how many tensors were compared. Raises WeightsDiffer naming what differs."""
+    if seq["sample_ids"] != streamed_figs["sample_ids"]:
+        steps = [k + 1 for k, (a, b) in enumerate(zip(seq["sample_ids"], streamed_figs["sample_ids"])) if a != b]
+        raise WeightsDiffer(
+            f"{streamed}: the streamed trainer read other samples than the sequential one ({len(seq['sample_ids'])} "
+            f"and {len(streamed_figs['sample_ids'])} steps; differing at steps {steps[:10]}); expected the same "
+            f"order over the same plan: check train.seed and the stream's plan"
+        )
+    return equal_tensors(sequential, streamed)
+
+
+def equal_tensors(a: Path, b: Path) -> int:
+    """The final checkpoints under two trainer output dirs hold the same tensors, bit for bit; -> their count."""
+    loaded = []
+    for out in (a, b):
+        final = latest_complete(out)
+        if final is None:
+            raise WeightsDiffer(f"{out}: no complete checkpoint; expected the trainer's final one")
+        loaded.append(
+            {f"{f.name}:{k}": v for f in sorted(final.glob("*.safetensors")) for k, v in load_file(f).items()}
+        )
+    first, second = loaded
+    differ = sorted(k for k in first.keys() & second.keys() if not torch.equal(first[k], second[k]))
+    only = sorted(first.keys() ^ second.keys())
+    if differ or only or not first:
+        raise WeightsDiffer(
+            f"final weights of {b} differ from {a}: {len(differ)} tensors differ ({differ[:10]}), {len(only)} are "
+            f"in one checkpoint only ({only[:10]}), {len(first)} compared; expected every tensor equal (torch.equal): "
+            f"a streamed run trains on the same samples in the same order as an offline one; no figure is reported"
+        )
+    return len(first)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-samples", type=int, default=960)
+    p.add_argument("--sample-tokens", type=int, default=256, help="longest sample; lengths spread over [n/2, n]")
+    p.add_argument("--shard-kib", type=int, default=1024, help="extract.shard_bytes, in KiB")
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--num-epochs", type=int, default=1)
+    p.add_argument("--cache-shards", type=int, default=4, help="train.cache_bytes, in shards of --shard-kib")
+    p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    p.add_argument("--quick", action="store_true", help="24 short samples, one a shard: seconds, the same code path")
+    p.add_argument("--produce", metavar="RUN_JSON", help=argparse.SUPPRESS)  # the producer process's entry
+    args = p.parse_args()
+    if args.quick:
+        args.num_samples, args.sample_tokens, args.shard_kib, args.global_batch_size = 24, 24, 64, 8
+        args.num_epochs, args.cache_shards = 1, 2
+    return args
+
+
+def print_table(seq: dict, streamed: dict, figures: dict, shards: int, total_bytes: int) -> None:
+    print(f"\nshard set: {shards} shards, {total_bytes / 2**20:.1f} MiB; trainer: {seq['steps']} steps, one rank "
+          f"reading through a cache of {figures['cache_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    print(f"{'run':12s} {'wall s':>8s} {'extract s':>10s} {'train s':>8s} {'waited s':>9s} {'wait frac':>9s} "
+          f"{'peak cache MiB':>14s}")  # fmt: skip
+    for name, r in (("sequential", seq), ("streamed", streamed)):
+        extract_s = r["extract_s"]
+        print(f"{name:12s} {r['wall_s']:8.1f} {extract_s:10.1f} {r['train_s']:8.1f} {r['data_wait_s']:9.1f} "
+              f"{r['wait_fraction']:9.3f} {r['peak_disk_bytes'] / 2**20:14.2f}")  # fmt: skip
+    print(f"\nfirst step: its shards {streamed['first_step_shards']} verified at {streamed['first_step_ready_s']:.1f} s, "
+          f"its record at {streamed['first_step_at_s']:.1f} s: first_step_s {figures['first_step_s']:.2f} (goal <= 10)")  # fmt: skip
+    print(f"streamed_vs_sequential {figures['streamed_vs_sequential']:.3f} (goal <= 0.75)")
+    print(f"peak_disk_bytes {figures['peak_disk_bytes']} against the bound {figures['disk_bound_bytes']} "
+          f"(train.cache_bytes + one shard)")  # fmt: skip
+    print(f"wait_fraction {figures['wait_fraction']:.3f}; final weights equal: {figures['num_tensors_equal']} tensors")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.produce:
+        produce(args.produce)
+        return 0
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        raise SystemExit(f"bench/streaming.py: this process may run on cores {usable}; expected at least 2, one for "
+                         f"the producer and one for the trainer: run it where two cores are free")  # fmt: skip
+    cores = (usable[0], usable[1])
+    root = Path(tempfile.mkdtemp(prefix="eyas-bench-streaming-", dir=args.dir))
+    try:
+        runs = {}
+        for name in ("sequential", "streamed"):
+            config = run_config(root / name, args)
+            write_dataset(root / name, num_samples=args.num_samples, sample_tokens=args.sample_tokens,
+                          draft_vocab_size=config.dataset.draft_vocab_size)  # fmt: skip
+            runs[name] = config
+        cache_bytes = args.cache_shards * runs["sequential"].extract.shard_bytes
+        seq = run_sequential(runs["sequential"], cores, cache_bytes)
+        streamed = run_streamed(runs["streamed"], cores, cache_bytes)
+        num_equal = check_same_training(root / "sequential" / "train", root / "streamed" / "train", seq, streamed)
+        rows = read_manifest(runs["streamed"].paths.shards_dir)
+    finally:
+        shutil.rmtree(root)
+    figures = {
+        "first_step_s": round(streamed["first_step_at_s"] - streamed["first_step_ready_s"], 3),
+        "streamed_vs_sequential": round(streamed["wall_s"] / seq["wall_s"], 4),
+        "peak_disk_bytes": streamed["peak_disk_bytes"],
+        "disk_bound_bytes": cache_bytes + max(r.num_bytes for r in rows),
+        "wait_fraction": streamed["wait_fraction"],
+        "weights_equal": True,
+        "num_tensors_equal": num_equal,
+        "cache_bytes": cache_bytes,
+        "num_shards": len(rows),
+        "shard_set_bytes": sum(r.num_bytes for r in rows),
+        "num_steps": seq["steps"],
+        "cores": list(cores),
+        **{f"{name}_{key}": round(r[key], 3) for name, r in (("sequential", seq), ("streamed", streamed))
+           for key in ("wall_s", "extract_s", "train_s", "data_wait_s")},
+        "sequential_peak_disk_bytes": seq["peak_disk_bytes"],
+        "sequential_wait_fraction": seq["wait_fraction"],
+    }  # fmt: skip
+    print_table(seq, streamed, figures, len(rows), figures["shard_set_bytes"])
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

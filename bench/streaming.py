@@ -147,12 +147,15 @@ def stream_source(config: RunConfig) -> tuple[StreamSource, StreamOrder]:
 
 
 class Child:
-    """A process pinned to one core; its output to a log file, or read line by line with arrival times."""
+    """A process pinned to one core; its output to a log file, or read line by line with arrival times. Reaped
+    with os.wait4, which gives its CPU seconds: their share of its wall time says whether it had its core alone."""
 
-    def __init__(self, cmd: list[str], core: int, log: Path, *, follow: bool = False):
-        self.log, self.first_metric_at = log, None
+    def __init__(self, what: str, cmd: list[str], core: int, log: Path, *, follow: bool = False):
+        self.what, self.log, self.first_metric_at = what, log, None
+        self.ended_at, self.cpu_s = None, 0.0
         env = {**os.environ, **CHILD_ENV}
         out = subprocess.PIPE if follow else open(log, "w")
+        self.started_at = time.time()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=lambda: os.sched_setaffinity(0, {core}))  # fmt: skip
         self.reader = threading.Thread(target=self._follow, daemon=True) if follow else None
@@ -168,16 +171,27 @@ class Child:
                     self.first_metric_at = time.time()
                 f.write(line)
 
-    def wait(self, what: str) -> float:
-        """Wait for the process to end (refused, with its log's tail, when it fails); -> when it ended."""
-        code = self.proc.wait()
-        ended = time.time()
-        if self.reader is not None:
-            self.reader.join()
-        if code != 0:
+    def reap(self, *, block: bool) -> bool:
+        """Collect the process if it has ended (waiting for it with `block`); -> whether it has."""
+        if self.ended_at is None:
+            pid, status, usage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
+            if pid == 0:
+                return False
+            self.ended_at, self.cpu_s = time.time(), usage.ru_utime + usage.ru_stime
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
+            if self.reader is not None:
+                self.reader.join()
+        return True
+
+    def check(self) -> None:
+        """Refuse a failed process, with its log's tail."""
+        if self.proc.returncode != 0:
             tail = self.log.read_text()[-3000:]
-            raise RuntimeError(f"{what}: exited {code}; its log {self.log} ends:\n{tail}")
-        return ended
+            raise RuntimeError(f"{self.what}: exited {self.proc.returncode}; its log {self.log} ends:\n{tail}")
+
+    def figures(self) -> dict:
+        wall = self.ended_at - self.started_at
+        return {"wall_s": round(wall, 3), "cpu_s": round(self.cpu_s, 3), "core_share": round(self.cpu_s / wall, 3)}
 
 
 class DiskPeak:
@@ -208,36 +222,33 @@ class DiskPeak:
         return max(self.peak, self._size())
 
 
-def start_producer(config: RunConfig, core: int) -> Child:
+def start_producer(what: str, config: RunConfig, core: int) -> Child:
     path = Path(config.workdir) / "run.json"
     path.write_text(config.model_dump_json())
     cmd = [sys.executable, str(Path(__file__).resolve()), "--produce", str(path)]
-    return Child(cmd, core, Path(config.workdir) / "producer.log")
+    return Child(what, cmd, core, Path(config.workdir) / "producer.log")
 
 
-def start_trainer(job: TrainJob, core: int) -> Child:
+def start_trainer(what: str, job: TrainJob, core: int) -> Child:
     out = Path(job.output_dir)
     out.mkdir(parents=True)
     write_train_job(job, out / "job.json")
-    return Child([sys.executable, "-m", "eyas.train", "--config", str(out / "job.json")], core, out.parent / "train.log",
-                 follow=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "eyas.train", "--config", str(out / "job.json")]
+    return Child(what, cmd, core, out.parent / "train.log", follow=True)
 
 
-def wait_all(children: dict[str, Child]) -> dict[str, float]:
+def wait_all(*children: Child) -> None:
     """Wait for every child; the first to fail ends the others (a streamed trainer would wait for its producer
-    forever) and is raised. -> name: when it ended."""
-    ended: dict[str, float] = {}
-    while len(ended) < len(children):
-        for name, child in children.items():
-            if name not in ended and child.proc.poll() is not None:
-                if child.proc.returncode != 0:
-                    for other in children.values():
-                        if other.proc.poll() is None:
-                            other.proc.kill()
-                            other.proc.wait()
-                ended[name] = child.wait(name)
+    forever) and is raised."""
+    while not all(child.reap(block=False) for child in children):
         time.sleep(0.01)
-    return ended
+        if any(c.ended_at is not None and c.proc.returncode != 0 for c in children):
+            for other in children:
+                if other.ended_at is None:
+                    other.proc.kill()
+                    other.reap(block=True)
+    for child in children:
+        child.check()
 
 
 def trainer_figures(output_dir: Path) -> dict:
@@ -251,13 +262,16 @@ def trainer_figures(output_dir: Path) -> dict:
 def run_sequential(config: RunConfig, cores: tuple[int, int], cache_bytes: int) -> dict:
     """Extraction to the end on cores[0], then the trainer on cores[1] over the finished store."""
     out = Path(config.workdir) / "train"
-    t0 = time.time()
-    extracted = wait_all({"sequential producer": start_producer(config, cores[0])})["sequential producer"]
-    trainer = start_trainer(trainer_job(config, out, cache_bytes=cache_bytes, stream=None), cores[1])
+    producer = start_producer("the sequential run's producer", config, cores[0])
+    wait_all(producer)
+    job = trainer_job(config, out, cache_bytes=cache_bytes, stream=None)
+    trainer = start_trainer("the sequential run's trainer", job, cores[1])
     disk = DiskPeak(out / "shard-cache")
-    ended = wait_all({"sequential trainer": trainer})["sequential trainer"]
-    return {"wall_s": ended - t0, "extract_s": extracted - t0, "train_s": ended - extracted,
-            "peak_disk_bytes": disk.stop(), **trainer_figures(out)}  # fmt: skip
+    wait_all(trainer)
+    t0 = producer.started_at
+    return {"wall_s": trainer.ended_at - t0, "extract_s": producer.ended_at - t0, "train_s": trainer.ended_at - t0,
+            "producer": producer.figures(), "trainer": trainer.figures(), "peak_disk_bytes": disk.stop(),
+            **trainer_figures(out)}  # fmt: skip
 
 
 def verified_at(shards_dir: Path, shards: list[int], mode: str) -> float:
@@ -278,16 +292,17 @@ def run_streamed(config: RunConfig, cores: tuple[int, int], cache_bytes: int) ->
     """The producer on cores[0] and, from the same moment, the streamed trainer on cores[1]."""
     out = Path(config.workdir) / "train"
     stream, order = stream_source(config)
-    t0 = time.time()
-    producer = start_producer(config, cores[0])
-    trainer = start_trainer(trainer_job(config, out, cache_bytes=cache_bytes, stream=stream), cores[1])
+    job = trainer_job(config, out, cache_bytes=cache_bytes, stream=stream)
+    producer = start_producer("the streamed run's producer", config, cores[0])
+    trainer = start_trainer("the streamed run's trainer", job, cores[1])
     disk = DiskPeak(out / "shard-cache")
-    ended = wait_all({"streamed producer": producer, "streamed trainer": trainer})
+    wait_all(producer, trainer)
     needed = order.needed_by(1)
+    t0 = producer.started_at
     ready = verified_at(config.paths.shards_dir, needed, config.verify.mode)
-    return {"wall_s": max(ended.values()) - t0, "extract_s": ended["streamed producer"] - t0,
-            "train_s": ended["streamed trainer"] - t0, "peak_disk_bytes": disk.stop(),
-            "first_step_shards": needed, "first_step_ready_s": ready - t0,
+    return {"wall_s": max(producer.ended_at, trainer.ended_at) - t0, "extract_s": producer.ended_at - t0,
+            "train_s": trainer.ended_at - t0, "producer": producer.figures(), "trainer": trainer.figures(),
+            "peak_disk_bytes": disk.stop(), "first_step_shards": needed, "first_step_ready_s": ready - t0,
             "first_step_at_s": trainer.first_metric_at - t0, **trainer_figures(out)}  # fmt: skip
 
 
@@ -330,7 +345,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-samples", type=int, default=960)
     p.add_argument("--sample-tokens", type=int, default=256, help="longest sample; lengths spread over [n/2, n]")
-    p.add_argument("--shard-kib", type=int, default=1024, help="extract.shard_bytes, in KiB")
+    p.add_argument("--shard-kib", type=int, default=4096, help="extract.shard_bytes, in KiB")
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--num-epochs", type=int, default=1)
     p.add_argument("--cache-shards", type=int, default=4, help="train.cache_bytes, in shards of --shard-kib")
@@ -344,21 +359,50 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def print_table(seq: dict, streamed: dict, figures: dict, shards: int, total_bytes: int) -> None:
-    print(f"\nshard set: {shards} shards, {total_bytes / 2**20:.1f} MiB; trainer: {seq['steps']} steps, one rank "
-          f"reading through a cache of {figures['cache_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-    print(f"{'run':12s} {'wall s':>8s} {'extract s':>10s} {'train s':>8s} {'waited s':>9s} {'wait frac':>9s} "
-          f"{'peak cache MiB':>14s}")  # fmt: skip
+def print_table(seq: dict, streamed: dict, figures: dict) -> None:
+    print(f"\nshard set: {figures['num_shards']} shards, {figures['shard_set_bytes'] / 2**20:.1f} MiB; trainer: "
+          f"{seq['steps']} steps, one rank reading through a cache of {figures['cache_bytes'] / 2**20:.1f} MiB; "
+          f"cores {figures['cores']}")  # fmt: skip
+    print(f"{'run':11s} {'wall s':>7s} | {'producer: ends s':>16s} {'cpu s':>6s} {'core':>5s} | {'trainer: ends s':>15s} "
+          f"{'cpu s':>6s} {'core':>5s} {'waited s':>8s} {'wait':>6s} {'peak cache MiB':>14s}")  # fmt: skip
     for name, r in (("sequential", seq), ("streamed", streamed)):
-        extract_s = r["extract_s"]
-        print(f"{name:12s} {r['wall_s']:8.1f} {extract_s:10.1f} {r['train_s']:8.1f} {r['data_wait_s']:9.1f} "
-              f"{r['wait_fraction']:9.3f} {r['peak_disk_bytes'] / 2**20:14.2f}")  # fmt: skip
-    print(f"\nfirst step: its shards {streamed['first_step_shards']} verified at {streamed['first_step_ready_s']:.1f} s, "
-          f"its record at {streamed['first_step_at_s']:.1f} s: first_step_s {figures['first_step_s']:.2f} (goal <= 10)")  # fmt: skip
+        p, t = r["producer"], r["trainer"]
+        print(f"{name:11s} {r['wall_s']:7.1f} | {r['extract_s']:16.1f} {p['cpu_s']:6.1f} {p['core_share']:5.2f} | "
+              f"{r['train_s']:15.1f} {t['cpu_s']:6.1f} {t['core_share']:5.2f} {r['data_wait_s']:8.1f} "
+              f"{r['wait_fraction']:6.3f} {r['peak_disk_bytes'] / 2**20:14.2f}")  # fmt: skip
+    print("(ends: seconds from the run's start; core: the process's CPU seconds over its wall time, 1.00 = its core "
+          "to itself)")  # fmt: skip
+    print(f"\nfirst step: its shards {streamed['first_step_shards']} verified at {streamed['first_step_ready_s']:.1f} "
+          f"s, its record at {streamed['first_step_at_s']:.1f} s: first_step_s {figures['first_step_s']:.2f} "
+          f"(goal <= 10)")  # fmt: skip
     print(f"streamed_vs_sequential {figures['streamed_vs_sequential']:.3f} (goal <= 0.75)")
     print(f"peak_disk_bytes {figures['peak_disk_bytes']} against the bound {figures['disk_bound_bytes']} "
           f"(train.cache_bytes + one shard)")  # fmt: skip
     print(f"wait_fraction {figures['wait_fraction']:.3f}; final weights equal: {figures['num_tensors_equal']} tensors")
+
+
+def figures_of(seq: dict, streamed: dict, rows: list, *, cache_bytes: int, num_equal: int, cores) -> dict:
+    """The JSON figures: the four the issue names, the disk bound, and what each process did."""
+    sides = {f"{run}_{side}_{key}": r[side][key] for run, r in (("sequential", seq), ("streamed", streamed))
+             for side in ("producer", "trainer") for key in ("cpu_s", "core_share")}  # fmt: skip
+    return {
+        "first_step_s": round(streamed["first_step_at_s"] - streamed["first_step_ready_s"], 3),
+        "streamed_vs_sequential": round(streamed["wall_s"] / seq["wall_s"], 4),
+        "peak_disk_bytes": streamed["peak_disk_bytes"],
+        "disk_bound_bytes": cache_bytes + max(r.num_bytes for r in rows),
+        "wait_fraction": streamed["wait_fraction"],
+        "weights_equal": True,
+        "num_tensors_equal": num_equal,
+        "cache_bytes": cache_bytes,
+        "num_shards": len(rows),
+        "shard_set_bytes": sum(r.num_bytes for r in rows),
+        "num_steps": seq["steps"],
+        "cores": list(cores),
+        **{f"{run}_{key}": round(r[key], 3) for run, r in (("sequential", seq), ("streamed", streamed))
+           for key in ("wall_s", "extract_s", "train_s", "data_wait_s", "wait_fraction")},
+        "sequential_peak_disk_bytes": seq["peak_disk_bytes"],
+        **sides,
+    }  # fmt: skip
 
 
 def main() -> int:
@@ -386,25 +430,8 @@ def main() -> int:
         rows = read_manifest(runs["streamed"].paths.shards_dir)
     finally:
         shutil.rmtree(root)
-    figures = {
-        "first_step_s": round(streamed["first_step_at_s"] - streamed["first_step_ready_s"], 3),
-        "streamed_vs_sequential": round(streamed["wall_s"] / seq["wall_s"], 4),
-        "peak_disk_bytes": streamed["peak_disk_bytes"],
-        "disk_bound_bytes": cache_bytes + max(r.num_bytes for r in rows),
-        "wait_fraction": streamed["wait_fraction"],
-        "weights_equal": True,
-        "num_tensors_equal": num_equal,
-        "cache_bytes": cache_bytes,
-        "num_shards": len(rows),
-        "shard_set_bytes": sum(r.num_bytes for r in rows),
-        "num_steps": seq["steps"],
-        "cores": list(cores),
-        **{f"{name}_{key}": round(r[key], 3) for name, r in (("sequential", seq), ("streamed", streamed))
-           for key in ("wall_s", "extract_s", "train_s", "data_wait_s")},
-        "sequential_peak_disk_bytes": seq["peak_disk_bytes"],
-        "sequential_wait_fraction": seq["wait_fraction"],
-    }  # fmt: skip
-    print_table(seq, streamed, figures, len(rows), figures["shard_set_bytes"])
+    figures = figures_of(seq, streamed, rows, cache_bytes=cache_bytes, num_equal=num_equal, cores=cores)
+    print_table(seq, streamed, figures)
     print(json.dumps(figures))
     return 0
 

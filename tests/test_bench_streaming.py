@@ -87,3 +87,15 @@ def test_other_samples_at_a_step_are_refused_before_the_weights_are_compared(tmp
         f"{tmp_path / 'b'}: the streamed trainer read other samples than the sequential one (3 and 3 steps; "
         f"differing at steps [2]); expected the same order over the same plan: check train.seed and the stream's plan"
     )
+
+
+def test_a_side_that_fails_ends_the_other_and_is_named_with_its_log(tmp_path):
+    core = min(os.sched_getaffinity(0))
+    failing = streaming.Child("the producer", [sys.executable, "-c", "print('no target'); raise SystemExit(3)"],
+                              core, tmp_path / "producer.log")  # fmt: skip
+    waiting = streaming.Child("the trainer", [sys.executable, "-c", "import time; time.sleep(600)"], core,
+                              tmp_path / "train.log", follow=True)  # fmt: skip
+    with pytest.raises(RuntimeError) as err:
+        streaming.wait_all(failing, waiting)
+    assert str(err.value) == f"the producer: exited 3; its log {tmp_path / 'producer.log'} ends:\nno target\n"
+    assert waiting.proc.returncode == -9  # ended by the bench, not left waiting for a producer that is gone

@@ -344,11 +344,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shard-kib", type=int, default=4096, help="extract.shard_bytes, in KiB")
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--num-epochs", type=int, default=1)
-    p.add_argument("--num-ttt-steps", type=int, default=2, help="train.num_ttt_steps (the preset's 4 trains 2.5x "
-                   "longer than the extraction, on one core each)")  # fmt: skip
+    p.add_argument("--num-ttt-steps", type=int, default=2, help="train.num_ttt_steps (at the preset's 4, "
+                   "training takes about 2.5x the extraction's CPU time)")  # fmt: skip
     p.add_argument("--cache-shards", type=int, default=4, help="train.cache_bytes, in shards of --shard-kib")
     p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
-    p.add_argument("--quick", action="store_true", help="24 short samples, one a shard: seconds, the same code path")
+    p.add_argument("--quick", action="store_true", help="24 short samples, 1-2 a shard: seconds, the same code path")
     p.add_argument("--produce", metavar="RUN_JSON", help=argparse.SUPPRESS)  # the producer process's entry
     args = p.parse_args()
     if args.quick:
@@ -361,8 +361,9 @@ def print_table(seq: dict, streamed: dict, figures: dict) -> None:
     print(f"\nshard set: {figures['num_shards']} shards, {figures['shard_set_bytes'] / 2**20:.1f} MiB; trainer: "
           f"{seq['steps']} steps, one rank reading through a cache of {figures['cache_bytes'] / 2**20:.1f} MiB; "
           f"cores {figures['cores']}")  # fmt: skip
-    print(f"{'run':11s} {'wall s':>7s} | {'producer: ends s':>16s} {'cpu s':>6s} {'core':>5s} | {'trainer: ends s':>15s} "
-          f"{'cpu s':>6s} {'core':>5s} {'waited s':>8s} {'wait':>6s} {'peak cache MiB':>14s}")  # fmt: skip
+    print(f"{'run':11s} {'wall s':>7s} | {'producer: ends s':>16s} {'cpu s':>6s} {'core':>5s} | "
+          f"{'trainer: ends s':>15s} {'cpu s':>6s} {'core':>5s} {'waited s':>8s} {'wait':>6s} "
+          f"{'peak cache MiB':>14s}")  # fmt: skip
     for name, r in (("sequential", seq), ("streamed", streamed)):
         p, t = r["producer"], r["trainer"]
         print(f"{name:11s} {r['wall_s']:7.1f} | {r['extract_s']:16.1f} {p['cpu_s']:6.1f} {p['core_share']:5.2f} | "

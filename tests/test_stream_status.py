@@ -5,6 +5,7 @@ time it waited, and which shard it waits for now, since when; a note left by a k
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,15 +13,19 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import test_stream_reader as stream_reader_tests
 import torch
 from run_fixtures import REPO, tiny_job
 from test_stream_reader import LIMIT_S, TRAIN, commit, fresh_store, stream_source
 
-from eyas.shards.wait_record import WAITS_DIR
+from eyas.shards.reader import ShardSamples
+from eyas.shards.shard_set import RUN_META_NAME
+from eyas.shards.wait_record import WAITS_DIR, WaitRecord
 from eyas.status.report import run_status
 from eyas.status.stream import batch_shards, stream_lines, stream_status
+from eyas.storage import open_storage
 from eyas.train.launch import JOB_FILE, write_train_job
 from eyas.train.metrics import METRICS_FILE, read_metrics
 from eyas.train.parallel import Dist
@@ -119,6 +124,37 @@ def test_status_shows_both_sides_of_a_streamed_run_and_the_wait_in_progress(
     assert f"streaming trainer: step {last} of {last}; no step left" in stream_lines(after)
 
 
+def test_status_names_a_wait_for_extract_json_and_for_a_quarantined_shard(source, tmp_path):
+    """A real streamed reader with the rank's WaitRecord: opened before extraction recorded extract.json, then reading
+    a shard whose first copy was quarantined on arrival; status names each wait while it lasts."""
+    job = tiny_job(source["run"], tmp_path / "run" / "train", **TRAIN)
+    job = job.model_copy(update={"shards_dir": str(tmp_path / "store"), "stream": stream_source(source)})
+    write_train_job(job, tmp_path / "run" / "train" / JOB_FILE)
+    train_dir, store = tmp_path / "run" / "train", open_storage(tmp_path / "store")
+    record = WaitRecord(train_dir, 0)
+    verifier = ArrivalVerifier(store, tokenized_path=source["tokenized"], expected=source["expected"], mode="full",
+                               log=lambda line: None)  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        opening = pool.submit(ShardSamples, store, stream=job.stream, log=lambda line: None, wait_record=record)
+        early = status_when(train_dir, lambda s: [w["what"] for w in s["waits"]] == ["extract-json"])
+        store.put_bytes(RUN_META_NAME, json.dumps(asdict(source["run_meta"])).encode())
+        samples = opening.result(timeout=LIMIT_S)
+        assert stream_status(train_dir)["waits"] == []
+        commit(store, source, 2, flip_byte=True)
+        assert [r.status for r in verifier.poll()] == ["bad"]
+        reading = pool.submit(samples.load_sample, source["plan"][2].sample_start)
+        stuck = status_when(train_dir, lambda s: [w["shard"] for w in s["waits"]] == [2])
+        commit(store, source, 2)
+        assert [r.status for r in verifier.poll()] == ["ok"]
+        assert reading.result(timeout=LIMIT_S)["sample_index"] == source["plan"][2].sample_start
+    assert any(line.startswith("streaming wait now: rank 0 waits for extract.json since ") and
+               line.endswith("s; extraction has not recorded extract.json), live") for line in stream_lines(early))  # fmt: skip
+    assert (stuck["extracted"], stuck["verified"]) == (0, 0)
+    assert stuck["waits"][0]["seen"] == "quarantined, being extracted again"
+    after = stream_status(train_dir)
+    assert (after["extracted"], after["verified"], after["waits"]) == (1, 1, [])
+
+
 NOTE_AND_HANG = """
 import sys, time
 from eyas.shards.wait_record import WaitRecord
@@ -128,10 +164,12 @@ with WaitRecord(sys.argv[1], 1).waiting("shard-00004", shard=4, log=print) as sa
 """
 
 
-def test_a_rank_killed_mid_wait_leaves_a_note_that_status_calls_stale(source, tmp_path):
+def test_a_rank_killed_mid_wait_leaves_a_note_that_status_calls_stale(source, tmp_path, capsys, monkeypatch):
     """A real process noting a wait, killed with SIGKILL: its note stays, and `eyas status` says it is stale,
     naming the dead process and the note's file."""
-    job, _, _ = streamed_job(source, tmp_path)
+    from eyas_cli.main import main
+
+    streamed_job(source, tmp_path)
     train_dir = tmp_path / "run" / "train"
     note = train_dir / WAITS_DIR / "rank-1.shard-00004.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -145,13 +183,14 @@ def test_a_rank_killed_mid_wait_leaves_a_note_that_status_calls_stale(source, tm
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    status = run_status(tmp_path / "run")
-    wait = status.progress["stream"]["waits"][0]
+    wait = stream_status(train_dir)["waits"][0]
     assert wait["state"] == f"stale (process {proc.pid} on {socket.gethostname()} is gone)"
-    assert "- streaming wait now: rank 1 waits for shard 00004 since " in status.to_markdown()
-    assert f"not committed yet), {wait['state']}: a note left by a rank that died mid-wait, {note}" in (
-        status.to_markdown()
-    )
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # no server: the files alone
+    assert main(["status", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "- streaming: shards extracted 0/6, verified 0/6 (full mode)" in out
+    assert "- streaming wait now: rank 1 waits for shard 00004 since " in out
+    assert f"not committed yet), {wait['state']}: a note left by a rank that died mid-wait, {note}" in out
 
 
 def test_a_job_that_is_not_streamed_has_no_stream_status(source, tmp_path):

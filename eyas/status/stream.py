@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from eyas.config import TrainJob
-from eyas.shards.format import ShardPlan
+from eyas.shards.format import ShardPlan, shard_filename
 from eyas.shards.manifest import read_manifest
+from eyas.shards.shard_set import QUARANTINE_DIR
 from eyas.shards.verdicts import COVERING_MODES, read_verdicts, verdict_name
 from eyas.shards.wait_record import read_wait_records
 from eyas.status.launches import ALIVE, ELSEWHERE, liveness
@@ -46,14 +47,29 @@ def read_stream_job(train_dir: Path) -> TrainJob | None:
     return job if job.stream is not None else None
 
 
-def verified_shards(job: TrainJob) -> tuple[set[int], set[int]]:
-    """(shards committed, shards whose committed bytes a verdict of the job's mode names) in the job's store."""
+def store_state(job: TrainJob) -> tuple[set[int], set[int], set[str]]:
+    """(shards committed, shards whose committed bytes a verdict of the job's mode names, the files ever
+    quarantined) in the job's store."""
     store = open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url)
     rows = read_manifest(store)  # the compacted manifest and the row records not yet compacted
     names = read_verdicts(store)
     modes = COVERING_MODES[job.stream.verify_mode]
     verified = {r.shard_index for r in rows if any(verdict_name(r.shard_index, r.checksum, m) in names for m in modes)}
-    return {r.shard_index for r in rows}, verified
+    quarantined = {n.removeprefix(QUARANTINE_DIR + "/").split(".")[0] for n in store.list(QUARANTINE_DIR + "/")}
+    return {r.shard_index for r in rows}, verified, quarantined
+
+
+def shard_seen(shard: int | None, committed: set[int], verified: set[int], quarantined: set[str]) -> str:
+    """What the store holds of a shard a rank waits for (None: extract.json)."""
+    if shard is None:
+        return "extraction has not recorded extract.json"
+    if shard in verified:
+        return "verified now: the rank takes it at its next look"
+    if shard in committed:
+        return "committed, being verified"
+    if shard_filename(shard).split(".")[0] in quarantined:
+        return "quarantined, being extracted again"
+    return "not committed yet"
 
 
 def batch_shards(job: TrainJob, plan: list[ShardPlan], step: int) -> list[int]:
@@ -93,7 +109,7 @@ def stream_status(train_dir: Path, *, now: float | None = None) -> dict | None:
     now = time.time() if now is None else now
     plan = [ShardPlan(k, p.sample_start, p.sample_end, p.num_tokens) for k, p in enumerate(job.stream.plan)]
     order = stream_order(plan, job.train, num_samples=job.max_samples)
-    committed, verified = verified_shards(job)
+    committed, verified, quarantined = store_state(job)
     metrics_path = Path(train_dir) / METRICS_FILE
     records = read_metrics(metrics_path) if metrics_path.is_file() else []
     step = records[-1]["step"] if records else 0
@@ -103,11 +119,7 @@ def stream_status(train_dir: Path, *, now: float | None = None) -> dict | None:
     ready_through = order.first_step[pending[0]] - 1 if pending else last_step
     waits = []
     for record in read_wait_records(train_dir):
-        shard = record.get("shard")
-        seen = (
-            "verified now" if shard in verified else "committed, being verified" if shard in committed else
-            "not committed yet" if shard is not None else "extraction has not recorded extract.json"
-        )  # fmt: skip
+        seen = shard_seen(record["shard"], committed, verified, quarantined)
         waits.append({**record, "state": wait_state(record, now), "waited_s": now - record["since"], "seen": seen})
     return {
         "planned": len(plan),

@@ -171,18 +171,19 @@ def test_a_rank_killed_mid_wait_leaves_a_note_that_status_calls_stale(source, tm
 
     streamed_job(source, tmp_path)
     train_dir = tmp_path / "run" / "train"
-    note = train_dir / WAITS_DIR / "rank-1.shard-00004.json"
+    notes = train_dir / WAITS_DIR
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", NOTE_AND_HANG, str(train_dir)], env=env, cwd=REPO)
     try:
         end = time.monotonic() + LIMIT_S
-        while not note.is_file():
+        while not notes.is_dir() or not list(notes.glob("rank-1.shard-00004.*.json")):
             assert proc.poll() is None and time.monotonic() < end, "the waiting process wrote no note"
             time.sleep(0.02)
         assert stream_status(train_dir)["waits"][0]["state"] == "live"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+    [note] = notes.glob("rank-1.shard-00004.*.json")
     wait = stream_status(train_dir)["waits"][0]
     assert wait["state"] == f"stale (process {proc.pid} on {socket.gethostname()} is gone)"
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # no server: the files alone

@@ -1,7 +1,7 @@
 """A rank's durable note of a wait for data in progress, read by `eyas status` (eyas.status.stream) to say which
 shard a trainer waits for now, why, and since when.
 
-    record = WaitRecord(job.output_dir, rank)                      # OUTPUT/waits/rank-R.WHAT.json while waiting
+    record = WaitRecord(job.output_dir, rank)                      # OUTPUT/waits/rank-R.WHAT.TID.json while waiting
     with record.waiting("shard-00007", shard=7, log=log) as say:   # `say` logs and refreshes the note
         wait_verified(store, 7, mode="full", timeout_s=math.inf, log=say)
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,15 +42,15 @@ def _own_identity() -> dict:
 
 
 class WaitRecord:
-    """The notes of one rank's waits, under OUTPUT/waits/ (one file per thing waited for, so two threads of a rank
-    waiting at once keep a note each)."""
+    """The notes of one rank's waits, under OUTPUT/waits/: one file per thing waited for and waiting thread."""
 
     def __init__(self, output_dir: str | Path, rank: int):
         self.dir, self.rank = Path(output_dir) / WAITS_DIR, rank
         self._identity = _own_identity()
 
     def path(self, what: str) -> Path:
-        return self.dir / f"rank-{self.rank}.{what}.json"
+        """The note of `what` waited for by this thread (two threads of a rank may wait for one shard at once)."""
+        return self.dir / f"rank-{self.rank}.{what}.{threading.get_native_id()}.json"
 
     @contextmanager
     def waiting(self, what: str, *, shard: int | None, log: Callable[[str], None]):

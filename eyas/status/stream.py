@@ -102,7 +102,11 @@ def wait_state(record: dict, now: float) -> str:
 
 
 def stream_status(train_dir: Path, *, now: float | None = None) -> dict | None:
-    """Both sides of the streamed run whose job is in `train_dir` (keys below); None when it is not streamed."""
+    """Both sides of the streamed run whose job is in `train_dir`; None when it is not streamed. Keys: planned,
+    extracted, verified (shards); step (done, rank 0's metrics), last_step, reads_next (the shards step + 1 reads);
+    verified_ahead (verified shards no step up to `step` read), next_unverified (the first shard in the trainer's
+    order not verified yet), ready_through_step, steps_ahead; data_wait_s (summed over the metrics); waits (the
+    notes, each with `state` live or stale, `waited_s` and `seen`: what the store holds of the shard now)."""
     job = read_stream_job(train_dir)
     if job is None:
         return None
@@ -169,7 +173,9 @@ def stream_lines(s: dict) -> list[str]:
         f"verified through step {s['ready_through_step']:,} ({s['steps_ahead']:,} step(s) ahead of the trainer)"
         + (f"; the producer owes shard {owed:05d} next" if owed is not None else "; every shard it needs is verified")
     )
-    lines.append(f"streaming wait: the trainer waited {s['data_wait_s']:,.1f} s for data over {s['step']:,} steps")
+    lines.append(
+        f"streaming wait: the trainer (rank 0) waited {s['data_wait_s']:,.1f} s for data over {s['step']:,} steps"
+    )
     for w in s["waits"]:
         what = f"shard {w['shard']:05d}" if w["shard"] is not None else "extract.json"
         via = " (its fetch into the rank's cache)" if w["what"].startswith("cache-") else ""

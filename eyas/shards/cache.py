@@ -20,6 +20,7 @@ fetch starts). A shard read off the schedule (the reader's metadata check) is fe
 Streaming (`resolve` given): a row without a checksum is a planned shard not verified yet; the thread fetches
 ahead only up to the first of them in the schedule, asks `resolve` (no wait: the committed row once a verdict
 names its bytes, else None) every POLL_S seconds meanwhile, and `resolved` hands it the row a reader waited for.
+With a WaitRecord, a reader's wait for a fetch leaves a note while it lasts (eyas.shards.wait_record).
 
 Crash safety: shards land by temporary -> fsync -> rename (eyas.fsio, inside download_to). A new cache over an
 existing directory keeps each file whose size and checksum are its manifest row's and deletes anything else
@@ -34,12 +35,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.checksum import checksum_file
 from eyas.shards.manifest import ManifestRow
+from eyas.shards.wait_record import WaitRecord
 from eyas.storage import Storage
 
 POLL_S = 1.0  # streaming: how often the thread asks whether the next shard it wants is verified
@@ -71,9 +73,10 @@ class ShardCache:
         *,
         log=print,
         resolve: Callable[[int], ManifestRow | None] | None = None,
+        wait_record: WaitRecord | None = None,
     ):
         self.source, self.rows, self.cache_bytes = source, list(rows), cache_bytes
-        self.dir, self.log, self.resolve = Path(cache_dir), log, resolve
+        self.dir, self.log, self.resolve, self.wait_record = Path(cache_dir), log, resolve, wait_record
         self._check_fits(self.rows)
         self._pending: int | None = None  # streaming: the first wanted shard not verified yet
         self.stats = CacheStats()
@@ -167,12 +170,15 @@ class ShardCache:
             if waited:
                 self._waiting.append(shard)
             self._cond.notify_all()
-            while shard not in self._resident:
-                self._raise_if_failed(shard)
-                self._cond.wait(timeout=1.0)
-                if time.monotonic() - said > WAIT_LOG_S:
-                    said = time.monotonic()
-                    self.log(f"shard cache {self.dir}: waiting {said - t0:.0f} s for {self.rows[shard].file}")
+            with self._noted(shard, waited) as note:
+                note(f"shard cache {self.dir}: waiting for {self.rows[shard].file}, being fetched")
+                while shard not in self._resident:
+                    self._raise_if_failed(shard)
+                    self._cond.wait(timeout=1.0)
+                    if time.monotonic() - said > WAIT_LOG_S:
+                        said = time.monotonic()
+                        self.log(f"shard cache {self.dir}: waiting {said - t0:.0f} s for {self.rows[shard].file}")
+                        note(f"shard cache {self.dir}: waiting {said - t0:.0f} s for {self.rows[shard].file}")
             if waited:
                 self._waiting.remove(shard)
                 self.stats.wait_s += time.monotonic() - t0
@@ -183,6 +189,13 @@ class ShardCache:
             with self._cond:
                 self._pins[shard] -= 1
                 self._cond.notify_all()
+
+    def _noted(self, shard: int, waited: bool):
+        """A function noting the wait for `shard` (its log goes through self.log, at most every WAIT_LOG_S): a
+        no-op when the shard is here or there is no WaitRecord."""
+        if not waited or self.wait_record is None:
+            return nullcontext(lambda message: None)
+        return self.wait_record.waiting(f"cache-shard-{shard:05d}", shard=shard, log=lambda message: None)
 
     def _raise_if_failed(self, shard: int) -> None:
         if self._error:

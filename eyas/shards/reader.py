@@ -45,6 +45,7 @@ from eyas.shards.format import BASE_TENSOR_NAMES, ShardMeta
 from eyas.shards.manifest import MANIFEST_NAME, coverage_problems, read_manifest
 from eyas.shards.read_checks import NodeReadChecks
 from eyas.shards.streamed import planned_rows, stream_meta, verified_now, wait_for_shard
+from eyas.shards.wait_record import WaitRecord
 from eyas.storage import Storage, as_storage
 
 # ShardMeta fields every shard of one extraction run shares.
@@ -140,9 +141,11 @@ class ShardSamples:
         cache_bytes: int = 0,
         stream: StreamSource | None = None,
         log=print,
+        wait_record: WaitRecord | None = None,
     ):
         store = as_storage(shards)
         self.where, self.store, self.stream, self.log = store.url, store, stream, log
+        self.wait_record = wait_record  # streaming: the durable note of a wait in progress (eyas status reads it)
         # with verify_reads, the checksums found (one process hashing alone unless the launch's node record is given)
         self.read_checks = (read_checks or NodeReadChecks(None)) if verify_reads else None
         if not cache_bytes and store.local_path() is None:
@@ -165,7 +168,9 @@ class ShardSamples:
             planned = list(self._rows)
             resolve = lambda k: verified_now(store, planned[k], mode=stream.verify_mode)  # noqa: E731
         self.cache = (
-            ShardCache(store, self._rows, cache_dir, cache_bytes, log=log, resolve=resolve) if cache_bytes else None
+            ShardCache(store, self._rows, cache_dir, cache_bytes, log=log, resolve=resolve, wait_record=wait_record)
+            if cache_bytes
+            else None
         )
         self._starts = [r.sample_start for r in self._rows]
         self.num_samples = max_samples or total
@@ -175,7 +180,7 @@ class ShardSamples:
         self._layouts: dict[int, dict[str, StoredTensor]] = {}
         self._read_lock = threading.Lock()  # the input pipeline's thread and the loop's evaluation both read
         if stream is not None:  # extract.json precedes every shard: no shard is waited for before step 1
-            self.meta = stream_meta(store, stream, log=log)
+            self.meta = stream_meta(store, stream, log=log, record=wait_record)
         else:
             with self._opened(0) as path, safe_open(path, framework="pt") as f:
                 self.meta = self._parse(0, f)
@@ -238,7 +243,8 @@ class ShardSamples:
         read lock, so a read of a shard already here (an evaluation) does not wait behind a wait for a later one."""
         if self.stream is None or shard in self._verified:
             return
-        row = wait_for_shard(self.store, self._rows[shard], mode=self.stream.verify_mode, log=self.log)
+        row = wait_for_shard(self.store, self._rows[shard], mode=self.stream.verify_mode, log=self.log,
+                             record=self.wait_record)  # fmt: skip
         if self.cache is not None:
             self.cache.resolved(shard, row)
         with self._read_lock:

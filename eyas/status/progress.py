@@ -2,7 +2,7 @@
 memory plan computed from the config and its target's facts.
 
     progress["plan"] = training_plan(config)          # MemoryPlan.to_dict(), or {"error": why not}
-    lines = progress_lines(progress, config)          # shards, checkpoint, last metrics, plan, acceptance
+    lines = progress_lines(progress, config)          # shards, streaming, checkpoint, last metrics, plan, acceptance
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from eyas.config import RunConfig
 from eyas.gate import memory
 from eyas.status.nodes import node_lines
 from eyas.status.probes import READ_ERRORS
+from eyas.status.stream import stream_lines
 
 
 def training_plan(config: RunConfig) -> dict:
@@ -85,6 +86,8 @@ def progress_lines(p: dict, config: RunConfig | None) -> list[str]:
         )
     if "plan" in p:
         lines.append(plan_line(p["plan"], config))
+    if "stream" in p:
+        lines += stream_lines(p["stream"])
     t = p.get("train", {})
     if t.get("checkpoint"):
         of = f" of {t['planned_steps']:,}" if t.get("planned_steps") else ""

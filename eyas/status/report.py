@@ -14,6 +14,8 @@ file's owner), never from a log:
     approval   approval.json, for this configuration's fingerprint
     train      train/checkpoints/step-*/COMPLETE, final.json, metrics.jsonl, the trainer PIDs eyas recorded,
                train/failures/ (why the last launch failed), checkpoints/step-*.damaged (set aside)
+    streaming  train/job.json with `stream`: both sides of a streamed run (eyas.status.stream: shards extracted and
+               verified, the trainer's step and shards, its lead and waits, train/waits/)
     export     export/sglang/ (+ eyas_export.json naming the checkpoint it came from)
     bench      bench/benchmark.json, bench/diagnosis.json
 
@@ -44,6 +46,7 @@ from eyas.status import probes
 from eyas.status.launches import ALIVE, ELSEWHERE, GONE, LAUNCHES_DIR, launch_of, liveness, read_launches
 from eyas.status.probes import DONE, FAILED, REJECTED, RUNNING, STALE, UNREADABLE
 from eyas.status.progress import progress_lines, training_plan
+from eyas.status.stream import stream_progress
 from eyas.status.training import failure_step
 from eyas.train.devices import DeviceQueryFailed, query_devices
 
@@ -167,6 +170,8 @@ def run_status(run: "str | Path | RunConfig", *, presets_dir: Path | None = None
             stages.append(StageState(name, UNREADABLE, f"{type(err).__name__}: {err}", ""))
     if config is not None:
         ctx.progress["plan"] = training_plan(config)
+    if (streamed := stream_progress(ctx.paths.train_dir)) is not None:
+        ctx.progress["stream"] = streamed
     return RunStatus(
         workdir=str(workdir),
         config_path=None if config_path is None else str(config_path),

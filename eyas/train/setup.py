@@ -20,6 +20,7 @@ from eyas.dataset.vocab import load_vocab
 from eyas.draft import DraftArch, Eagle3Draft, build_draft
 from eyas.shards.read_checks import NodeReadChecks
 from eyas.shards.reader import ShardSamples
+from eyas.shards.wait_record import WaitRecord
 from eyas.storage import open_storage
 from eyas.target import load_embed_and_lm_head, target_fingerprint
 from eyas.train.data import ShardWindows, shard_windows
@@ -55,16 +56,19 @@ CACHE_DIR = "shard-cache"
 
 def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
     """The job's shards: the local directory, or (train.cache_bytes > 0) its storage through rank's cache; with
-    job.stream, each shard waited for until it is verified (the wait said through the rank's log)."""
+    job.stream, each shard waited for until it is verified (the wait said through the rank's log, and noted in
+    OUTPUT/waits/ while it lasts: eyas.shards.wait_record)."""
     t = job.train
 
     def rank_log(message: str) -> None:
         print(f"[eyas.train] rank {rank}: {message}", flush=True)
 
+    record = WaitRecord(job.output_dir, rank) if job.stream is not None else None  # read by `eyas status`
+
     if not t.cache_bytes:
         checks = NodeReadChecks.for_this_launch() if t.verify_reads else None  # each shard hashed once per node
         return ShardSamples(job.shards_dir, max_samples=job.max_samples, verify_reads=t.verify_reads,
-                            read_checks=checks, stream=job.stream, log=rank_log)  # fmt: skip
+                            read_checks=checks, stream=job.stream, log=rank_log, wait_record=record)  # fmt: skip
     return ShardSamples(
         open_storage(job.shards_dir, endpoint_url=job.shards_endpoint_url),
         max_samples=job.max_samples,
@@ -72,6 +76,7 @@ def open_samples(job: TrainJob, rank: int = 0) -> ShardSamples:
         cache_bytes=t.cache_bytes,
         stream=job.stream,
         log=rank_log,
+        wait_record=record,
     )
 
 

@@ -148,6 +148,7 @@ class Case:
                             .model_dump_json())  # fmt: skip
         self.gate = self.dir / "go"
         self.starts = {"producer": 0, "trainer": 0}
+        self.sides: list[Side] = []
 
     def producer(self, *, hold_after: int | None = None) -> Side:
         side = {"config": json.loads(self.config.model_dump_json()), "target": self.config.target.model_path,
@@ -156,16 +157,23 @@ class Case:
                 "hold": None if hold_after is None else {"after": hold_after, "until": str(self.gate)}}  # fmt: skip
         path = self.dir / "producer.json"
         path.write_text(json.dumps(side))
-        return Side([sys.executable, SIDES, "producer", str(path)], self._log("producer"), path)
+        return self._start([sys.executable, SIDES, "producer", str(path)], "producer", path)
 
     def trainer(self) -> Side:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", SIDES,
                "trainer", str(self.job)]  # fmt: skip
-        return Side(cmd, self._log("trainer"), self.job)
+        return self._start(cmd, "trainer", self.job)
 
-    def _log(self, side: str) -> Path:
+    def _start(self, cmd: list[str], side: str, job: Path) -> Side:
         self.starts[side] += 1
-        return self.dir / f"{side}-{self.starts[side]}.log"
+        self.sides.append(Side(cmd, self.dir / f"{side}-{self.starts[side]}.log", job))
+        return self.sides[-1]
+
+    def close(self) -> None:
+        """Kill what still runs (a test that failed half way leaves a held producer or a waiting trainer)."""
+        live = [side for side in self.sides if side.proc.poll() is None]
+        if live:
+            kill_together(*live)
 
     def verified(self) -> set[int]:
         return {int(n.split("shard-")[1][:5]) for n in read_verdicts(self.store)}
@@ -193,19 +201,37 @@ def steps_before_hold(order, hold: int) -> int:
     return min(order.first_step.get(k, 10**9) for k in order.shards[hold:]) - 1
 
 
+@pytest.fixture
+def new_case(run, s3_bucket_module):
+    """Case(run, name, the module's bucket); what still runs of its sides when the test ends is killed."""
+    made: list[Case] = []
+
+    def make(name: str) -> Case:
+        made.append(Case(run, name, s3_bucket_module))
+        return made[-1]
+
+    yield make
+    for case in made:
+        case.close()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(run, s3_bucket_module):
     """Both sides started together and run to the end: the streamed run every case must end as."""
     case = Case(run, "uninterrupted", s3_bucket_module)
-    producer, trainer = case.producer(), case.trainer()
-    producer.finish()
-    trainer.finish()
+    try:
+        producer, trainer = case.producer(), case.trainer()
+        producer.finish()
+        trainer.finish()
+    finally:
+        case.close()
     return {"metrics": without_timing(read_metrics(case.dir / "train" / METRICS_FILE)),
             "weights": weights(case.dir / "train"), "manifest": read_manifest(case.store)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def s3_bucket_module(s3_endpoint):
+    """A bucket of the S3 server for this module's cases (a prefix each)."""
     import uuid
 
     import boto3
@@ -259,12 +285,12 @@ def ends_as_uninterrupted(case: Case, uninterrupted: dict, producer_logs: list[s
 
 
 def test_a_killed_producer_makes_the_trainer_wait_and_say_so_until_it_is_started_again(
-    run, uninterrupted, s3_bucket_module, kill_table
+    run, uninterrupted, new_case, kill_table
 ):
     """The producer falls behind after k + 1 shards and is killed after k verdicts (k random)."""
     rng, num_shards = random.Random(SEED), len(run["plan"])
     k = rng.randint(1, num_shards - 3)
-    case = Case(run, "producer-killed", s3_bucket_module)
+    case = new_case("producer-killed")
     producer, trainer = case.producer(hold_after=k + 1), case.trainer()
     wait_until(lambda: len(case.verified()) >= k, f"{k} verdicts")
     time.sleep(rng.uniform(0, 0.05))
@@ -299,14 +325,14 @@ def test_a_killed_producer_makes_the_trainer_wait_and_say_so_until_it_is_started
 
 
 def test_a_killed_trainer_leaves_the_producer_running_and_resumes_from_its_newest_checkpoint(
-    run, uninterrupted, s3_bucket_module, kill_table
+    run, uninterrupted, new_case, kill_table
 ):
     """The producer falls behind after h shards (h random); the trainer is killed after m metric records (m random
     among the steps those shards allow), then started again while the producer goes on."""
     rng, order, num_shards = random.Random(SEED + 1), run["order"], len(run["plan"])
     hold = rng.choice([h for h in range(num_shards) if steps_before_hold(order, h) >= 4])
     m = rng.randint(3, steps_before_hold(order, hold))  # after step 2's checkpoint
-    case = Case(run, "trainer-killed", s3_bucket_module)
+    case = new_case("trainer-killed")
     producer, trainer = case.producer(hold_after=hold), case.trainer()
     wait_until(lambda: metric_records(trainer) >= m, f"{m} metric records")
     time.sleep(rng.uniform(0, 0.05))
@@ -325,13 +351,13 @@ def test_a_killed_trainer_leaves_the_producer_running_and_resumes_from_its_newes
     })  # fmt: skip
 
 
-def test_both_sides_killed_together_resume_together(run, uninterrupted, s3_bucket_module, kill_table):
+def test_both_sides_killed_together_resume_together(run, uninterrupted, new_case, kill_table):
     """The producer falls behind after h shards (h random); both are killed at once after m metric records (m
     random among the steps those shards allow), then both started again."""
     rng, order, num_shards = random.Random(SEED + 2), run["order"], len(run["plan"])
     hold = rng.choice([h for h in range(num_shards) if steps_before_hold(order, h) >= 3])
     m = rng.randint(1, steps_before_hold(order, hold))
-    case = Case(run, "both-killed", s3_bucket_module)
+    case = new_case("both-killed")
     producer, trainer = case.producer(hold_after=hold), case.trainer()
     wait_until(lambda: metric_records(trainer) >= m, f"{m} metric records")
     time.sleep(rng.uniform(0, 0.05))

@@ -6,8 +6,9 @@ config-time check."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from pydantic import ValidationError
@@ -15,7 +16,9 @@ from run_fixtures import REPO, run_trainer, tiny_job, write_tiny_run, write_toke
 from safetensors.torch import load_file
 
 from eyas.config import ExtractConfig, PlannedShard, StreamSource, load_run_config
-from eyas.extract.plan import check_manifest_against_plan
+from eyas.extract.plan import check_manifest_against_plan, describe_extraction
+from eyas.extract.streamed import run_streamed_extraction
+from eyas.facts import facts_for
 from eyas.shards.format import ShardPlan, load_shard, shard_filename, write_shard
 from eyas.shards.manifest import read_manifest, record_row
 from eyas.shards.retention import (
@@ -183,3 +186,32 @@ def test_a_retention_window_needs_a_single_epoch_run():
     assert ExtractConfig().retention == "keep"
     with pytest.raises(ValidationError):
         ExtractConfig(retention=0)
+
+
+def test_a_streamed_extraction_keeps_at_most_the_window_in_storage_and_resumes_past_released_shards(
+    tmp_path, random_target_dir
+):
+    samples = [[random.Random(k).randrange(1, 2048) for _ in range(4 + k % 13)] for k in range(60)]
+    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    train = base.train.model_copy(update={"global_batch_size": 4, "shuffle_window_shards": 2, "num_epochs": 1})
+    extract = base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 8, "retention": 4})
+    config = base.model_copy(update={"extract": extract, "train": train})
+    facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=tmp_path / "shards")
+    use = replace(shard_use(describe_extraction(config.extract, facts)[1], train), save_every_steps=1)
+    size = required_window(use)
+    assert size <= len(use.order) - 4  # the window holds back most of the run
+    store = open_storage(tmp_path / "shards")
+    window = RetentionWindow(store, use, size=size, mode=config.verify.mode, trained_through=lambda: RUN_OVER,
+                             poll_s=0.02, log=lambda _: None)  # fmt: skip
+    present = []
+    report = lambda _: present.append(sum(n.startswith("shard-") for n in store.list()))  # noqa: E731
+    summary = run_streamed_extraction(config, facts, shard_order=use.order, log=lambda _: None, poll_s=0.02,
+                                      progress=report, retention=window)  # fmt: skip
+    assert summary.shards_written == len(use.order) and max(present) <= size
+    released = released_shards(store)
+    assert len(released) >= len(use.order) - size
+    assert [r.shard_index for r in read_manifest(store)] == sorted(use.order)  # every row stays
+    again = run_streamed_extraction(config, facts, shard_order=use.order, log=lambda _: None, poll_s=0.02,
+                                    retention=window)  # fmt: skip
+    assert again.shards_written == 0 and released <= released_shards(store)

@@ -101,6 +101,16 @@ class RunConfig(StrictModel):
         check_streaming(self.train, self.extract)
         return self
 
+    @model_validator(mode="after")
+    def _retention_window_is_single_epoch(self) -> "RunConfig":
+        if self.extract.retention != "keep" and self.train.num_epochs != 1:
+            raise ValueError(
+                f"extract.retention={self.extract.retention} shards releases each shard after its last use, and "
+                f"train.num_epochs={self.train.num_epochs} reads every shard again in each epoch; set "
+                f"train.num_epochs to 1, or extract.retention to 'keep'"
+            )
+        return self
+
     @property
     def paths(self) -> "RunPaths":
         return RunPaths(Path(self.workdir))

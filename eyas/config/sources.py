@@ -3,7 +3,7 @@ verification."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -189,6 +189,11 @@ class ExtractConfig(StrictModel):
     )
     sglang: SGLangExtractConfig = Field(
         default=SGLangExtractConfig(), description="the SGLang server of the sglang backend (GPU only)"
+    )
+    retention: Literal["keep"] | Annotated[int, Field(ge=1)] = Field(
+        default="keep",
+        description="keep: every shard stays in storage (exact resume, later epochs); N: a streamed single-epoch "
+        "run keeps at most N shards, releasing each once the trainer's newest checkpoint is past its last use",
     )
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.shards.encoding import extract_encoding
 from eyas.shards.format import FORMAT_VERSION, ShardPlan, plan_shards, shard_filename
 from eyas.shards.manifest import compact_manifest, read_manifest
+from eyas.shards.retention import released_shards
 from eyas.shards.shard_set import ExtractConfigMismatchError, ExtractRunMeta, check_run_meta, quarantine_shards
 from eyas.storage import Storage
 
@@ -94,9 +95,10 @@ def assign_shards(todo: list[int], num_workers: int, *, order: Sequence[int] | N
 def check_manifest_against_plan(
     store: Storage, plan: list[ShardPlan], listing: dict[str, int]
 ) -> tuple[set[int], dict[str, str]]:
-    """(indices of finished shards, {file: reason} of rows whose file is gone or has another size); refuses
-    rows that disagree with the plan (another extraction's manifest)."""
-    done, damaged = set(), {}
+    """(indices of finished shards, {file: reason} of rows whose file is gone or has another size, unless the shard
+    was released by extract.retention: then it is finished); refuses rows that disagree with the plan (another
+    extraction's manifest)."""
+    done, damaged, released = set(), {}, released_shards(store)
     for row in read_manifest(store):
         p = plan[row.shard_index] if row.shard_index < len(plan) else None
         found = (row.sample_start, row.sample_end, row.num_tokens)
@@ -106,7 +108,7 @@ def check_manifest_against_plan(
                 f"{row.sample_end}, {row.num_tokens} tokens) disagrees with the plan ({p}); "
                 f"move the shards aside and extract again"
             )
-        if listing.get(row.file) != row.num_bytes:
+        if listing.get(row.file) != row.num_bytes and row.shard_index not in released:
             now = "missing" if row.file not in listing else f"{listing[row.file]} bytes"
             damaged[row.file] = (
                 f"{row.file}: listed in the manifest ({row.num_bytes} bytes) but {now} in storage when an "

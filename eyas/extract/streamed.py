@@ -37,6 +37,7 @@ from eyas.extract.worker import WorkerSummary, extract_shard_tensors, worker_dev
 from eyas.facts import RunFacts
 from eyas.shards.format import write_shard
 from eyas.shards.manifest import record_row
+from eyas.shards.retention import RetentionWindow
 from eyas.shards.shard_set import ExtractRunMeta, extraction_lock
 from eyas.shards.verdicts import drop_verdicts
 from eyas.storage import Storage
@@ -73,14 +74,16 @@ class ShardQueue:
 def _work(
     k: int, queue: ShardQueue, committed: threading.Event, *, config: RunConfig, facts: RunFacts,
     run: ExtractRunMeta, plan: list, store: Storage, dataset: TokenizedDataset,
-    on_commit: Callable[[int], None],
+    on_commit: Callable[[int], None], retention: RetentionWindow | None,
 ) -> dict:  # fmt: skip
-    """Worker k: write and commit each shard the queue gives until it is closed; its backend opens with the first
-    (a resumed run with nothing left to write loads no target)."""
+    """Worker k: write and commit each shard the queue gives until it is closed (each once `retention` has room
+    for it); its backend opens with the first (a resumed run with nothing left to write loads no target)."""
     t0, cfg = time.perf_counter(), config.extract
     summary, backend = WorkerSummary(k, [], 0, 0.0), None
     try:
         while (index := queue.take()) is not None:
+            if retention is not None:
+                retention.wait_for_room(index)
             if backend is None:
                 backend = open_backend(
                     cfg,
@@ -193,11 +196,13 @@ def run_streamed_extraction(
     progress: Callable[[dict], None] | None = None,
     poll_s: float = 1.0,
     only: Collection[int] | None = None,
+    retention: RetentionWindow | None = None,
 ) -> ExtractSummary:
     """Extract the planned shards without a row in `shard_order` (every planned shard once; default the plan's
     order) with `config.extract.num_workers` workers while verifying each as it commits; a quarantined shard is
     written again ahead of the shards needed after it. Returns when every planned shard is verified. `store`
-    overrides the run's storage (facts); `progress` gets ExtractionProgress snapshots with `shards_verified`.
+    overrides the run's storage (facts); `progress` gets ExtractionProgress snapshots with `shards_verified`;
+    `retention` (extract.retention = N) holds each shard back until the window has room for it.
 
     `only`: extract and verify these shards alone (those a smoke run reads) and return once each is verified,
     without the end of a whole extraction (no manifest compaction, no local copy); the summary counts these
@@ -215,7 +220,8 @@ def run_streamed_extraction(
         committed, healing = threading.Event(), _Healing(config.verify.num_heal_rounds, store.url)
         report = _Progress(ExtractionProgress(store, plan, rp.done), progress)
         kw = dict(config=config, facts=facts, run=run, plan=plan, store=store,
-                  dataset=TokenizedDataset(facts.tokenized_path), on_commit=report.committed)  # fmt: skip
+                  dataset=TokenizedDataset(facts.tokenized_path), on_commit=report.committed,
+                  retention=retention)  # fmt: skip
         num_workers = max(1, min(cfg.num_workers, len(plan)))
         futures = [pool.submit(_work, k, queue, committed, **kw) for k in range(num_workers)]
         try:

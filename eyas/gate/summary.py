@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from eyas.config import RunConfig
 from eyas.facts import RunFacts
 from eyas.gate import memory
+from eyas.gate.budget import budget_lines, duration_text, streaming_budget
 from eyas.markdown import dict_table, table
 from eyas.train.launch import JOB_FILE, format_command, torchrun_command, training_estimate, wrap_command
 
@@ -95,14 +96,6 @@ def _lay_out(items: list[str], start: str, width: int) -> list[str]:
         else:
             line = f"{line} {piece}" if line != start else start + piece
     return [*lines, line]
-
-
-def duration_text(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def smoke_conditions(smoke: dict) -> str:
@@ -193,8 +186,8 @@ def review(
     extracted: dict | None = None,
 ) -> dict:
     """The facts of the decision, from the stages' summaries (the dataset report, the verification summary, the
-    smoke run, the preflight report; its memory plan under "plan", else computed here; `extracted`: a streamed
-    run's extraction of the smoke run's shards, ExtractSummary.to_dict, or None)."""
+    smoke run, the preflight report; its memory plan under "plan", else computed here); with `extracted` (the
+    ExtractSummary of the shards extracted for a streamed run's smoke run) the combined budget too."""
     plan = devices.get("plan") or memory.plan_of_run(config, facts.target)
     modules = [
         {**m, "shapes": ", ".join(shape_items(m["shapes"])), "shape_items": shape_items(m["shapes"])}
@@ -232,6 +225,11 @@ def review(
         "risks": gate_risks(config, smoke, plan),
         "command": torchrun_command(config, config.paths.train_dir / JOB_FILE),
         "notes": dataset_notes(dataset),
+        "budget": (
+            budget_lines(streaming_budget(config, facts, dataset=dataset, extracted=extracted, smoke=smoke))
+            if extracted is not None
+            else []
+        ),
     }
 
 
@@ -267,6 +265,8 @@ def terminal_text(r: dict) -> str:
     mem = r["memory"]
     lines += _wrapped("Memory", mem["peak"]) + _wrapped("", mem["micro_batch"]) + _wrapped("", mem["largest"])
     lines += _wrapped("Estimate", r["estimate"])
+    for i, line in enumerate(r["budget"]):
+        lines += _wrapped("" if i else "Budget", line)
     for i, risk in enumerate(r["risks"]):
         lines += _wrapped("" if i else "Risks", risk)
     lines += ["Command", *wrap_command(r["command"], TERMINAL_WIDTH, split_words=True)]
@@ -286,6 +286,7 @@ def dialog_markdown(r: dict) -> str:
         *(f"- **risk** {risk}" for risk in r["risks"]),
         f"- **trains** {r['trainable_params']:,} parameters, **frozen** {r['frozen_params']:,}",
         f"- **cost** {r['estimate']}",
+        *(f"- **budget** {line}" for line in r["budget"]),
         f"- **data** {r['data']}",
         f"- **smoke run** {r['smoke']}; {r['smoke_conditions']}",
         f"- **devices** {r['devices']}",
@@ -321,6 +322,7 @@ def full_markdown(r: dict, *, dataset: dict, verified: dict, devices: dict) -> s
         table(["component", "GiB", "what"], r["memory"]["rows"]),
         "## Estimate",
         r["estimate"],
+        *(["## Combined budget", "\n".join(f"- {line}" for line in r["budget"])] if r["budget"] else []),
         *(["## Risks", *(f"- {risk}" for risk in r["risks"])] if r["risks"] else []),
         "## Command",
         f"```\n{format_command(r['command'])}\n```",
@@ -339,7 +341,7 @@ def gate_summary(
     extracted: dict | None = None,
 ) -> GateSummary:
     """The three layouts of the decision; `dataset`, `verified`, `smoke` and `devices` are the stages'
-    summaries."""
+    summaries, `extracted` the smoke run's extraction in a streamed run (then the combined budget shows)."""
     r = review(config, facts, dataset=dataset, verified=verified, smoke=smoke, devices=devices, extracted=extracted)
     return GateSummary(
         terminal=terminal_text(r),

@@ -11,7 +11,9 @@ from eyas.config import RunConfig
 from eyas.extract.plan import describe_extraction
 from eyas.extract.streamed import run_streamed_extraction
 from eyas.facts import RunFacts
+from eyas.shards.retention import RetentionWindow
 from eyas.train.preflight import stop_job
+from eyas.train.shard_use import shard_use, trained_through
 from eyas.train.stream_order import stream_order
 from tasks.reporting import StageProgress
 from tasks.retry import TRANSIENT_IO
@@ -40,8 +42,23 @@ def extract_stream(config: RunConfig, facts: RunFacts, only: list[int] | None = 
             target_dtype=config.target.dtype,
             progress=progress,
             only=only,
+            retention=retention_window(config, facts),
         )
     return summary.to_dict()
+
+
+def retention_window(config: RunConfig, facts: RunFacts) -> RetentionWindow | None:
+    """extract.retention = N: the window the producer writes into, releasing each shard once the trainer's newest
+    complete checkpoint (in train_dir, shared with the trainer) is past its last use; None for 'keep'. A window too
+    small for the stretch between two checkpoints is refused here, before the gate (with the smoke's shards)."""
+    size = config.extract.retention
+    if size == "keep":
+        return None
+    _, plan = describe_extraction(config.extract, facts, target_dtype=config.target.dtype)
+    use = shard_use(plan, config.train, num_samples=facts.num_samples)
+    train_dir = config.paths.train_dir
+    return RetentionWindow(facts.storage(), use, size=size, mode=config.verify.mode,
+                           trained_through=lambda: trained_through(train_dir))  # fmt: skip
 
 
 def smoke_shards(config: RunConfig, facts: RunFacts) -> list[int]:

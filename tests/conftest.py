@@ -21,7 +21,8 @@ def pytest_configure(config):
 # processes in this order (pytest-xdist, --dist loadfile), so the long ones overlap the many short ones.
 LONG_MODULES = ("test_worker_death", "test_pipeline", "test_kimi_target", "test_crash_vm", "test_status_server",
                 "test_ui_browser", "test_regeneration", "test_train_failure",
-                "test_transformers_serve", "test_crash_detection")  # fmt: skip
+                "test_transformers_serve", "test_crash_detection", "test_stream_kills",
+                "test_pipeline_streaming")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -215,3 +215,30 @@ def test_a_streamed_extraction_keeps_at_most_the_window_in_storage_and_resumes_p
     again = run_streamed_extraction(config, facts, shard_order=use.order, log=lambda _: None, poll_s=0.02,
                                     retention=window)  # fmt: skip
     assert again.shards_written == 0 and released <= released_shards(store)
+
+
+def test_the_pipelines_producer_builds_its_window_from_the_config_and_refuses_a_small_one_first(
+    tmp_path, random_target_dir
+):
+    """tasks.stream.retention_window, which the producer task uses for the smoke's shards (before the gate) and for
+    the run: None for 'keep'; a window follows the trainer's checkpoints in train_dir; one too small is refused."""
+    from tasks.stream import retention_window
+
+    samples = [[random.Random(k).randrange(1, 2048) for _ in range(4 + k % 13)] for k in range(60)]
+    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json").model_copy(update={"workdir": str(tmp_path / "w")})
+    train = base.train.model_copy(update={"global_batch_size": 4, "num_epochs": 1, "save_every_steps": 1})
+    facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=tmp_path / "shards")
+
+    def with_retention(retention):
+        extract = base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 8, "retention": retention})
+        return base.model_copy(update={"extract": extract, "train": train})
+
+    assert retention_window(with_retention("keep"), facts) is None
+    use = shard_use(describe_extraction(with_retention("keep").extract, facts)[1], train)
+    need = required_window(use)
+    window = retention_window(with_retention(need), facts)
+    assert window.size == need and window.trained_through() == 0  # no checkpoint in train_dir yet
+    assert need > 1
+    with pytest.raises(ValueError, match=f"set extract.retention to at least {need}"):
+        retention_window(with_retention(need - 1), facts)

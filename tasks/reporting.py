@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import time
+from pathlib import Path
 
 from prefect.artifacts import (
     create_image_artifact,
@@ -16,8 +17,10 @@ from prefect.artifacts import (
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from eyas.status.stream import stream_brief, stream_progress
 from tasks.retry import is_transient, log_to_run
 
+SIDES_EVERY_S = 10.0  # a streamed run's other side is read from storage at most this often (a listing on S3)
 LOG_INTERVAL_S = 30.0  # without a terminal, a progress line at most this often (and the first and the last)
 
 
@@ -112,7 +115,29 @@ class StageProgress:
             parts.append(f"data stall {info['data_stall_fraction']:.1%}")
         if info.get("eta_s") is not None:
             parts.append(f"ETA {info['eta_s']:.0f} s")
+        if info.get("sides"):  # a streamed run: both sides (StreamSides)
+            parts.append(info["sides"])
         return "; ".join(parts)
+
+
+class StreamSides:
+    """A progress callback that adds both sides of a streamed run (eyas.status.stream: shards extracted and
+    verified, the trainer's step, its lead, the time waited, the wait now) under "sides", read from the run's
+    durable files at most every `every_s` seconds; a run whose job is not streamed passes through unchanged.
+    Wraps the producer's progress (updated on each of its polls, so a waiting trainer shows there) and the
+    trainer's."""
+
+    def __init__(self, train_dir: Path, progress, *, every_s: float = SIDES_EVERY_S):
+        self.train_dir, self.progress, self.every_s = Path(train_dir), progress, every_s
+        self.read_at: float | None = None
+        self.brief = ""
+
+    def __call__(self, info: dict) -> None:
+        now = time.monotonic()
+        if self.read_at is None or now - self.read_at >= self.every_s:
+            status = stream_progress(self.train_dir)
+            self.brief, self.read_at = (stream_brief(status) if status is not None else ""), now
+        self.progress({**info, "sides": self.brief} if self.brief else info)
 
 
 def table_artifact(key: str, rows: list[dict], description: str) -> None:

@@ -15,7 +15,7 @@ from eyas.shards.retention import RetentionWindow
 from eyas.train.preflight import stop_job
 from eyas.train.shard_use import shard_use, trained_through
 from eyas.train.stream_order import stream_order
-from tasks.reporting import StageProgress
+from tasks.reporting import StageProgress, StreamSides
 from tasks.retry import TRANSIENT_IO
 
 STOP_POLL_S = 5.0  # between stop requests while the launch task has not ended
@@ -34,7 +34,8 @@ def extract_stream(config: RunConfig, facts: RunFacts, only: list[int] | None = 
     """Extract the planned shards in the trainer's first-need order, verifying each as it commits (`only`: these
     shards alone, e.g. the smoke run's)."""
     title = "extracting and verifying hidden states" + (f" (shards {only})" if only is not None else "")
-    with StageProgress("extract-stream-progress", title, "samples_done", "samples_total") as progress:
+    with StageProgress("extract-stream-progress", title, "samples_done", "samples_total") as bar:
+        progress = StreamSides(config.paths.train_dir, bar)  # the trainer's side too, once it has written its job
         summary = run_streamed_extraction(
             config,
             facts,

@@ -20,7 +20,7 @@ from eyas.train.preflight import preflight_run
 from eyas.train.smoke import smoke_run as run_smoke
 from tasks.caching import cached_by
 from tasks.nodes import NodeRuns, this_node_address
-from tasks.reporting import StageProgress, markdown_artifact, png_artifact
+from tasks.reporting import StageProgress, StreamSides, markdown_artifact, png_artifact
 from tasks.retry import failure_of, log_to_run
 
 MAX_RELAUNCHES = 2
@@ -109,7 +109,8 @@ def launch_torchrun(config: RunConfig, facts: RunFacts) -> dict:
     metrics: list[dict] = []
     last_step = planned_steps(facts.num_samples, config)
     latest_eval: dict = {}
-    with StageProgress("train-progress", "training", "step_done", "step_total") as progress:
+    with StageProgress("train-progress", "training", "step_done", "step_total") as bar:
+        progress = StreamSides(config.paths.train_dir, bar) if config.train.start == "streaming" else bar
 
         def on_metric(record: dict) -> None:
             metrics.append(record)

@@ -14,6 +14,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import test_stream_reader as stream_reader_tests
 import torch
@@ -24,7 +25,7 @@ from eyas.shards.reader import ShardSamples
 from eyas.shards.shard_set import RUN_META_NAME
 from eyas.shards.wait_record import WAITS_DIR, WaitRecord
 from eyas.status.report import run_status
-from eyas.status.stream import batch_shards, stream_lines, stream_status
+from eyas.status.stream import batch_shards, stream_brief, stream_lines, stream_status
 from eyas.storage import open_storage
 from eyas.train.launch import JOB_FILE, write_train_job
 from eyas.train.metrics import METRICS_FILE, read_metrics
@@ -115,6 +116,9 @@ def test_status_shows_both_sides_of_a_streamed_run_and_the_wait_in_progress(
     assert any(line.startswith(f"streaming wait now: rank 0 waits for shard {held:05d} since {since} (") and
                line.endswith("s; not committed yet), live") for line in lines), lines  # fmt: skip
     assert any(line.endswith(f"the producer owes shard {held:05d} next") for line in lines), lines
+    brief = stream_brief(stuck)  # the progress artifacts' clause (tasks.reporting.StreamSides)
+    assert brief.startswith(f"streaming: trainer step {step_before}/") and "verified 5/6" in brief
+    assert f"rank 0 waits for shard {held:05d} (" in brief and brief.endswith("s; not committed yet), live")
 
     last = records[-1]["step"]
     assert (after["extracted"], after["verified"], after["step"], after["last_step"]) == (6, 6, last, last)
@@ -199,3 +203,30 @@ def test_a_job_that_is_not_streamed_has_no_stream_status(source, tmp_path):
     write_train_job(job, tmp_path / "run" / "train" / JOB_FILE)
     assert stream_status(tmp_path / "run" / "train") is None
     assert "stream" not in run_status(tmp_path / "run").progress
+
+
+def test_the_progress_of_a_streamed_run_carries_both_sides_read_at_most_every_interval(source, tmp_path):
+    """tasks.reporting.StreamSides around a progress callback: the other side's clause under "sides" (read from the
+    run's files once per interval), shown by StageProgress.describe; a job that is not streamed passes through."""
+    from tasks.reporting import StageProgress, StreamSides
+
+    job, store, order = streamed_job(source, tmp_path)
+    train_dir = tmp_path / "run" / "train"
+    seen: list[dict] = []
+    sides = StreamSides(train_dir, seen.append, every_s=3600.0)
+    sides({"samples_done": 0, "samples_total": 24})
+    commit(store, source, order.shards[0])  # read again only after the interval
+    sides({"samples_done": 4, "samples_total": 24})
+    assert seen[0]["sides"] == seen[1]["sides"] == stream_brief(stream_status(train_dir) | {"extracted": 0})
+    assert (
+        seen[0]["sides"].startswith("streaming: trainer step 0/") and "extracted 0/6, verified 0/6" in seen[0]["sides"]
+    )
+    now = StreamSides(train_dir, seen.append, every_s=0.0)
+    now({"samples_done": 4, "samples_total": 24})
+    assert "extracted 1/6, verified 0/6" in seen[-1]["sides"]
+    line = StageProgress.describe(SimpleNamespace(title="extracting"), {**seen[-1], "samples_done": 4})
+    assert line == f"extracting; samples 4/24; {seen[-1]['sides']}"
+    offline = tmp_path / "offline" / "train"
+    write_train_job(job.model_copy(update={"stream": None}), offline / JOB_FILE)
+    StreamSides(offline, seen.append)({"samples_done": 1, "samples_total": 2})
+    assert seen[-1] == {"samples_done": 1, "samples_total": 2}

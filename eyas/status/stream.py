@@ -186,3 +186,22 @@ def stream_lines(s: dict) -> list[str]:
             + ("" if w["state"] == "live" else f": a note left by a rank that died mid-wait, {w['path']}")
         )
     return lines
+
+
+def stream_brief(s: dict) -> str:
+    """Both sides in one clause for a progress line: the trainer's step, the shards verified, its lead, the time
+    waited and the wait now (the first live one, else a stale note)."""
+    if "error" in s:
+        return f"streaming: not readable now ({s['error']})"
+    parts = [
+        f"trainer step {s['step']:,}/{s['last_step']:,}",
+        f"shards extracted {s['extracted']}/{s['planned']}, verified {s['verified']}/{s['planned']}",
+        f"verified through step {s['ready_through_step']:,} ({s['steps_ahead']:,} ahead of the trainer)",
+        f"waited {s['data_wait_s']:,.1f} s",
+    ]
+    waits = sorted(s["waits"], key=lambda w: w["state"] != "live")
+    if waits:
+        w = waits[0]
+        what = f"shard {w['shard']:05d}" if w["shard"] is not None else "extract.json"
+        parts.append(f"rank {w['rank']} waits for {what} ({w['waited_s']:,.0f} s; {w['seen']}), {w['state']}")
+    return "streaming: " + "; ".join(parts)

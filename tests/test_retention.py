@@ -242,3 +242,26 @@ def test_the_pipelines_producer_builds_its_window_from_the_config_and_refuses_a_
     assert need > 1
     with pytest.raises(ValueError, match=f"set extract.retention to at least {need}"):
         retention_window(with_retention(need - 1), facts)
+
+
+def test_a_windowed_streamed_extraction_on_s3_ends_without_a_local_copy(tmp_path, random_target_dir, s3_bucket,
+                                                                         s3_endpoint):  # fmt: skip
+    """Over S3 a released shard's file is gone, so the end of a windowed extraction makes no local copy (one could not
+    be whole): the run ends, every row stays, the local directory holds no shard."""
+    samples = [[random.Random(k).randrange(1, 2048) for _ in range(4 + k % 13)] for k in range(40)]
+    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    train = base.train.model_copy(update={"global_batch_size": 4, "shuffle_window_shards": 2, "num_epochs": 1})
+    extract = base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 8, "retention": 4})
+    config = base.model_copy(update={"extract": extract, "train": train})
+    facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=tmp_path / "copy",
+                      storage_url=f"s3://{s3_bucket}/shards", s3_endpoint_url=s3_endpoint)  # fmt: skip
+    use = replace(shard_use(describe_extraction(config.extract, facts)[1], train), save_every_steps=1)
+    store = facts.storage()
+    window = RetentionWindow(store, use, size=required_window(use), mode=config.verify.mode,
+                             trained_through=lambda: RUN_OVER, poll_s=0.02, log=lambda _: None)  # fmt: skip
+    summary = run_streamed_extraction(config, facts, shard_order=use.order, log=lambda _: None, poll_s=0.02,
+                                      retention=window)  # fmt: skip
+    assert summary.shards_written == len(use.order) and summary.local_copy == {"fetched": 0, "kept": 0}
+    assert released_shards(store) and [r.shard_index for r in read_manifest(store)] == sorted(use.order)
+    assert not list((tmp_path / "copy").glob("shard-*"))

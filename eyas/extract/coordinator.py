@@ -247,11 +247,15 @@ def finish_and_summarize(
     t0: float,
     num_workers: int,
     workers: list[dict],
+    local_copy: bool = True,
 ) -> ExtractSummary:
     """The end of an extraction (offline or streamed): every planned shard has its row (finish_extraction), the
-    local copy is brought in line, and what was done is summed up."""
+    local copy is brought in line (unless `local_copy` is False: a retention window deleted released shards, so
+    no copy could be whole), and what was done is summed up."""
     tokens_total = finish_extraction(store, plan)
-    local_copy = sync_to_local(store, facts.shards_dir) if facts.shards_dir else {"fetched": 0, "kept": 0}
+    copied = {"fetched": 0, "kept": 0}
+    if facts.shards_dir and local_copy:
+        copied = sync_to_local(store, facts.shards_dir)
     return ExtractSummary(
         shards_total=len(plan),
         shards_written=len(rp.todo),
@@ -266,6 +270,6 @@ def finish_and_summarize(
         hidden_size=run.hidden_size,
         num_workers=num_workers,
         storage=store.url,
-        local_copy=local_copy,
+        local_copy=copied,
         workers=workers,
     )

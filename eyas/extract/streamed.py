@@ -235,7 +235,8 @@ def run_streamed_extraction(
                 f"({', '.join(f'{k:05d}' for k in sorted(healing.reasons))})")  # fmt: skip
         if only is not None:
             return _summary_of(needed, todo, store, run, plan, t0=t0, num_workers=num_workers, workers=results)
-        return finish_and_summarize(store, facts, run, plan, rp, t0=t0, num_workers=num_workers, workers=results)
+        return finish_and_summarize(store, facts, run, plan, rp, t0=t0, num_workers=num_workers, workers=results,
+                                    local_copy=retention is None)  # fmt: skip
 
 
 def _planned(only: Collection[int], num_shards: int) -> set[int]:

@@ -170,11 +170,19 @@ def test_a_release_interrupted_before_the_deletion_is_finished_by_the_next(sourc
     assert row.file not in store.list()
 
 
-def test_a_retention_window_needs_a_single_epoch_run():
+def test_a_retention_window_needs_a_single_epoch_streamed_run():
     base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
     data = base.model_dump(mode="json")
     data["extract"]["retention"] = 4
     data["train"]["num_epochs"] = 1
+    with pytest.raises(ValidationError) as err:  # an offline run extracts everything first: a window means nothing
+        type(base).model_validate(data)
+    assert (
+        "extract.retention=4 shards bounds the shards a streamed run keeps in storage, and train.start='offline' "
+        "extracts every shard before training reads any; set train.start to 'streaming', or extract.retention to "
+        "'keep'"
+    ) in str(err.value)
+    data["train"]["start"] = "streaming"
     assert type(base).model_validate(data).extract.retention == 4
     data["train"]["num_epochs"] = 2
     with pytest.raises(ValidationError) as err:

@@ -109,6 +109,12 @@ class RunConfig(StrictModel):
                 f"train.num_epochs={self.train.num_epochs} reads every shard again in each epoch; set "
                 f"train.num_epochs to 1, or extract.retention to 'keep'"
             )
+        if self.extract.retention != "keep" and self.train.start != "streaming":
+            raise ValueError(
+                f"extract.retention={self.extract.retention} shards bounds the shards a streamed run keeps in storage, "
+                f"and train.start={self.train.start!r} extracts every shard before training reads any; set "
+                f"train.start to 'streaming', or extract.retention to 'keep'"
+            )
         return self
 
     @property

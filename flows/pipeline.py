@@ -1,9 +1,13 @@
 """Flow `pipeline`: dataset -> extract -> verify -> smoke run -> approval gate -> train -> export -> benchmark.
 
 With train.start='streaming': dataset -> extract and verify the smoke run's shards -> smoke run -> approval gate
--> extraction (the `extract-stream` flow) and training at once -> export -> benchmark. A trainer that fails
-leaves the extraction running to its end, then the run fails with the trainer's reason; an extraction that fails
-stops the trainer as `eyas stop` does (every rank after the same step, a checkpoint there; a launcher whose
+-> extraction (the `extract-stream` flow) and training at once -> export -> benchmark. With extract.stream_deployment
+the extraction is a flow run of that deployment (another work pool, sharing only storage and the Prefect server),
+started once the approval is given, and a run of it that ends Crashed is followed by a new one (tasks/stream.py
+follow_producer); the smoke run's shards are extracted here, before the gate, so that nothing runs on the
+producer's pool before the approval.
+A trainer that fails leaves the extraction running to its end, then the run fails with the trainer's reason; an
+extraction that fails stops the trainer as `eyas stop` does (every rank after the same step, a checkpoint there; a launcher whose
 ranks wait for a shard is signalled after the stop's wait), then the run fails with the extraction's reason.
 Running the pipeline again resumes both.
 
@@ -28,7 +32,7 @@ from flows.verify import verify_flow
 from tasks.attempts import settle_earlier_attempts
 from tasks.facts import check_run_inputs, resolve_run_facts
 from tasks.gate import approval_gate, gate_summary
-from tasks.stream import extract_stream, smoke_shards, stop_training
+from tasks.stream import extract_stream, follow_producer, smoke_shards, stop_training
 from tasks.train import launch_torchrun, preflight, smoke_run
 
 
@@ -61,12 +65,21 @@ def streamed(config: RunConfig, facts, dataset: dict) -> dict:
     verified = {"mode": f"{config.verify.mode}, each shard on arrival, before any rank reads it"}
     summary = gate_summary(config, facts, dataset["dataset"], verified, smoke, devices, extracted=extracted)
     approval = approval_gate(config, summary, num_samples=facts.num_samples, accept_overrides=True)
-    training = launch_torchrun.submit(apply_overrides(config, approval.overrides()), facts)
+    train_while_extracting(apply_overrides(config, approval.overrides()), config, facts)
+    export_dir = export_flow(config)
+    return bench_flow(config, export_dir)
+
+
+def train_while_extracting(approved: RunConfig, config: RunConfig, facts) -> None:
+    """After the gate of a streamed run: the trainer (the `approved` config, with the reviewer's overrides) and the
+    producer (`config`) at once; the producer's failure stops the trainer, then raises."""
+    training = launch_torchrun.submit(approved, facts)
     try:
-        extract_stream_flow(config, facts)
+        if config.extract.stream_deployment:  # a flow run of its own work pool, sharing storage and the server
+            follow_producer(config, facts)
+        else:
+            extract_stream_flow(config, facts)
     except Exception:
         stop_training(config, training)  # its ranks would wait for shards that no producer writes
         raise
     training.result()
-    export_dir = export_flow(config)
-    return bench_flow(config, export_dir)

@@ -29,6 +29,12 @@ STAGES = [
         "flows/extract.py:extract_worker_flow",
         "one worker's shards of a fanned-out extraction (extract.fanout = deployment); started by run_deployment",
     ),
+    (
+        "extract-stream",
+        "flows/stream.py:extract_stream_flow",
+        "the producer of a streamed run, each shard verified as it commits (extract.stream_deployment); started by "
+        "the pipeline once the approval is given",
+    ),
     ("verify-shards", "flows/verify.py:verify_flow", "verify every shard against manifest, dataset and config"),
     ("train-drafter", "flows/train.py:train_flow", "smoke run, approval gate, torchrun trainer"),
     (

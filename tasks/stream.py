@@ -3,6 +3,8 @@ each shard verified as it commits (eyas.extract.streamed), its progress in a pro
 
 from __future__ import annotations
 
+import time
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
@@ -80,3 +82,52 @@ def stop_training(config: RunConfig, training: PrefectFuture) -> None:
     while not training.state.is_final():
         stop_job(config.paths.train_dir)
         training.wait(timeout=STOP_POLL_S)
+
+
+# Each start of the producer deployment: a run that ends Crashed (its machine or process died; the crash
+# automation marks a dead machine's run so, eyas_cli/automation.py) is followed by another that resumes it.
+PRODUCER_RUNS = 3
+PRODUCER_POLL_S = 2.0
+
+
+def producer_run(config: RunConfig, facts: RunFacts, attempt: int):
+    """Start one flow run of extract.stream_deployment on the pipeline's config and facts (not waiting for it)."""
+    from prefect.context import get_run_context
+    from prefect.deployments import run_deployment
+
+    parent = get_run_context().flow_run
+    return run_deployment(
+        config.extract.stream_deployment,
+        parameters={"config": config.model_dump(mode="json"), "facts": facts.model_dump(mode="json")},
+        timeout=0,
+        idempotency_key=f"{parent.id}-{parent.run_count}-extract-stream-{attempt}",  # a pipeline retry starts anew
+    )
+
+
+def follow_producer(config: RunConfig, facts: RunFacts, *, poll_s: float = PRODUCER_POLL_S) -> dict:
+    """The producer as flow runs of extract.stream_deployment: wait for each; one that ended Crashed is followed by
+    a new one (which resumes from the manifest and verdicts), up to PRODUCER_RUNS; one that Failed or was Cancelled,
+    or the last Crashed one, raises with its name, state and message."""
+    from prefect.client.orchestration import get_client
+
+    deployment = config.extract.stream_deployment
+    for attempt in range(1, PRODUCER_RUNS + 1):
+        run = producer_run(config, facts, attempt)
+        print(f"producer: flow run {run.name} ({run.id}) of {deployment} (start {attempt} of {PRODUCER_RUNS})")
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run.id).state
+            while state is None or not state.is_final():
+                time.sleep(poll_s)
+                state = client.read_flow_run(run.id).state
+        if state.is_completed():
+            print(f"producer: flow run {run.name} Completed")
+            return {"flow_run": run.name, "state": state.name}
+        if not state.is_crashed() or attempt == PRODUCER_RUNS:
+            break
+        print(f"producer: flow run {run.name} ended Crashed ({state.message}); the trainer waits for its shards; "
+              f"starting another run of {deployment}, which resumes what is committed")  # fmt: skip
+    raise RuntimeError(
+        f"extract-stream flow run {run.name} ({run.id}) of {deployment} ended {state.name}: {state.message} "
+        f"(start {attempt} of {PRODUCER_RUNS}); its committed, verified shards are kept; fix the cause and run the "
+        "pipeline again, it resumes extraction and training"
+    )

@@ -76,7 +76,27 @@ def test_deployment_parameters_equal_its_preset(deployment):
 def test_every_stage_is_deployed_for_every_preset():
     presets = sorted(p.stem for p in (REPO / "deployments").glob("*.json"))
     stages = sorted({d["entrypoint"] for d in DEPLOYMENTS})
-    assert len(stages) == 9 and len(DEPLOYMENTS) == len(stages) * len(presets)
+    assert len(stages) == 10 and len(DEPLOYMENTS) == len(stages) * len(presets)
+
+
+def test_the_streamed_producer_is_deployed_on_each_presets_extraction_pool():
+    """extract.stream_deployment names one of these: the producer of a streamed run on the pool that extracts."""
+    presets = sorted(p.stem for p in (REPO / "deployments").glob("*.json"))
+    by_name = {d["name"]: d for d in DEPLOYMENTS}
+    for preset in presets:
+        stream, worker = by_name[f"extract-stream-{preset}"], by_name[f"extract-worker-{preset}"]
+        assert stream["entrypoint"] == "flows/stream.py:extract_stream_flow"
+        assert stream["work_pool"] == worker["work_pool"]
+
+
+def test_a_stream_deployment_of_another_flow_is_refused():
+    from eyas.config import ExtractConfig
+
+    assert ExtractConfig(stream_deployment="extract-stream/gpu").stream_deployment == "extract-stream/gpu"
+    for wrong in ("extract-worker/gpu", "extract-stream", "extract-stream/"):
+        with pytest.raises(ValueError, match=rf"extract.stream_deployment='{wrong}': expected 'extract-stream/NAME' "
+                                             r"\(a deployment of the extract-stream flow"):  # fmt: skip
+            ExtractConfig(stream_deployment=wrong)
 
 
 def test_prefect_yaml_is_what_the_script_writes():

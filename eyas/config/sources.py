@@ -178,6 +178,12 @@ class ExtractConfig(StrictModel):
     worker_deployment: str = Field(
         default="", description="'extract-worker/DEPLOYMENT' that fanout=deployment runs once per worker"
     )
+    stream_deployment: str = Field(
+        default="",
+        description="train.start='streaming': 'extract-stream/DEPLOYMENT' = the producer runs as a flow run of that "
+        "deployment (its own work pool, e.g. the inference node) while the pipeline's run trains; empty = the "
+        "producer is a subflow of the pipeline's run",
+    )
     storage_url: str = Field(
         default="",
         description="where shards are written: empty = the run's shards dir; s3://bucket/prefix = S3 (the run's "
@@ -207,6 +213,13 @@ class ExtractConfig(StrictModel):
             raise ValueError(
                 "extract.fanout='deployment' needs extract.worker_deployment ('extract-worker/NAME'); "
                 "set it, or use fanout='local'"
+            )
+        flow, _, name = self.stream_deployment.partition("/")
+        if self.stream_deployment and (flow != "extract-stream" or not name):
+            raise ValueError(
+                f"extract.stream_deployment={self.stream_deployment!r}: expected 'extract-stream/NAME' (a deployment "
+                "of the extract-stream flow, e.g. extract-stream/tiny-cpu); set it so, or leave it empty to run the "
+                "producer in the pipeline's own run"
             )
         if self.storage_url and not self.storage_url.startswith("s3://"):
             raise ValueError(

@@ -79,6 +79,7 @@ def stop_training(config: RunConfig, training: PrefectFuture) -> None:
         f"extraction failed: stopping the trainer in {config.paths.train_dir} (its checkpoints are kept; run the "
         "pipeline again to resume extraction and training)"
     )
+    config.paths.train_dir.mkdir(parents=True, exist_ok=True)  # a launch that has not begun has not made it yet
     while not training.state.is_final():
         stop_job(config.paths.train_dir)
         training.wait(timeout=STOP_POLL_S)

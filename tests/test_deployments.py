@@ -97,6 +97,16 @@ def test_a_stream_deployment_of_another_flow_is_refused():
         with pytest.raises(ValueError, match=rf"extract.stream_deployment='{wrong}': expected 'extract-stream/NAME' "
                                              r"\(a deployment of the extract-stream flow"):  # fmt: skip
             ExtractConfig(stream_deployment=wrong)
+    preset = json.loads((REPO / "deployments" / "tiny-cpu.json").read_text())
+    preset["extract"]["stream_deployment"] = "extract-stream/tiny-cpu"  # an offline run has no producer to place
+    with pytest.raises(ValueError) as err:
+        RunConfig.model_validate(preset)
+    assert (
+        "extract.stream_deployment='extract-stream/tiny-cpu' runs a streamed run's producer, and train.start='offline' "
+        "extracts before training; set train.start='streaming', or leave extract.stream_deployment empty"
+    ) in str(err.value)
+    preset["train"]["start"] = "streaming"
+    assert RunConfig.model_validate(preset).extract.stream_deployment == "extract-stream/tiny-cpu"
 
 
 def test_prefect_yaml_is_what_the_script_writes():

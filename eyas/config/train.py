@@ -377,6 +377,12 @@ def check_streaming(train: TrainConfig, extract) -> None:
     """train.start='streaming' against the extraction it runs beside (extract: ExtractConfig): a ValueError naming
     the fix for a combination the streamed extraction cannot run."""
     if train.start != "streaming":
+        if extract.stream_deployment:
+            raise ValueError(
+                f"extract.stream_deployment={extract.stream_deployment!r} runs a streamed run's producer, and "
+                f"train.start={train.start!r} extracts before training; set train.start='streaming', or leave "
+                f"extract.stream_deployment empty"
+            )
         return
     if extract.fanout != "local":
         raise ValueError(

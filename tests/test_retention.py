@@ -91,6 +91,17 @@ def stream_job(source, store_dir, out):
     return job.model_copy(update={"shards_dir": str(store_dir), "stream": StreamSource(verify_mode="full", plan=plan)})
 
 
+def windowed_run(tmp_path, *, num_samples: int):
+    """A tokenized table of `num_samples` random samples (4 to 16 tokens) and the tiny preset's config with 64 KiB
+    shards, a window of 4 shards and one epoch (not validated: the tests build their own windows)."""
+    samples = [[random.Random(k).randrange(1, 2048) for _ in range(4 + k % 13)] for k in range(num_samples)]
+    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
+    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
+    train = base.train.model_copy(update={"global_batch_size": 4, "shuffle_window_shards": 2, "num_epochs": 1})
+    extract = base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 8, "retention": 4})
+    return tokenized, base.model_copy(update={"extract": extract, "train": train})
+
+
 def test_a_shards_last_use_is_the_last_step_whose_batch_reads_it(source):
     plan, train = source["plan"], tiny_job(source["run"], "unused", **{**TRAIN, "num_epochs": 2}).train
     use = shard_use(plan, train)
@@ -199,12 +210,8 @@ def test_a_retention_window_needs_a_single_epoch_streamed_run():
 def test_a_streamed_extraction_keeps_at_most_the_window_in_storage_and_resumes_past_released_shards(
     tmp_path, random_target_dir
 ):
-    samples = [[random.Random(k).randrange(1, 2048) for _ in range(4 + k % 13)] for k in range(60)]
-    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
-    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
-    train = base.train.model_copy(update={"global_batch_size": 4, "shuffle_window_shards": 2, "num_epochs": 1})
-    extract = base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 8, "retention": 4})
-    config = base.model_copy(update={"extract": extract, "train": train})
+    tokenized, config = windowed_run(tmp_path, num_samples=60)
+    train = config.train
     facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=tmp_path / "shards")
     use = replace(shard_use(describe_extraction(config.extract, facts)[1], train), save_every_steps=1)
     size = required_window(use)
@@ -256,12 +263,8 @@ def test_a_windowed_streamed_extraction_on_s3_ends_without_a_local_copy(tmp_path
                                                                          s3_endpoint):  # fmt: skip
     """Over S3 a released shard's file is gone, so the end of a windowed extraction makes no local copy (one could not
     be whole): the run ends, every row stays, the local directory holds no shard."""
-    samples = [[random.Random(k).randrange(1, 2048) for _ in range(4 + k % 13)] for k in range(40)]
-    tokenized = write_tokenized(tmp_path / "tokenized.parquet", samples)
-    base = load_run_config(REPO / "deployments" / "tiny-cpu.json")
-    train = base.train.model_copy(update={"global_batch_size": 4, "shuffle_window_shards": 2, "num_epochs": 1})
-    extract = base.extract.model_copy(update={"shard_bytes": 1 << 16, "batch_size": 8, "retention": 4})
-    config = base.model_copy(update={"extract": extract, "train": train})
+    tokenized, config = windowed_run(tmp_path, num_samples=40)
+    train = config.train
     facts = facts_for(target_path=random_target_dir, tokenized_path=tokenized, shards_dir=tmp_path / "copy",
                       storage_url=f"s3://{s3_bucket}/shards", s3_endpoint_url=s3_endpoint)  # fmt: skip
     use = replace(shard_use(describe_extraction(config.extract, facts)[1], train), save_every_steps=1)

@@ -181,3 +181,22 @@ def test_write_that_stays_corrupt_is_refused_and_removed(s3_bucket, fault_proxy)
     with pytest.raises(ChecksumMismatchError, match=r"a.bin: the server stored .* \(ETag .*\), expected ETag"):
         store.put_bytes("a.bin", b"0123456789")
     assert store.list() == {}
+
+
+def test_a_local_listing_leaves_out_a_file_deleted_while_it_reads(tmp_path, monkeypatch):
+    """A producer releasing shards (extract.retention) deletes files while a status reader or a progress callback
+    lists the directory: the file read by scandir and gone by its stat is not listed, and the listing does not fail."""
+    import contextlib
+
+    store = LocalStorage(tmp_path)
+    store.put_bytes("shard-00000.safetensors", b"1")
+    store.put_bytes("shard-00001.safetensors", b"22")
+    real = os.scandir
+
+    def scandir_then_delete(path):
+        entries = list(real(path))  # read, not yet stat'ed
+        (tmp_path / "shard-00000.safetensors").unlink()
+        return contextlib.nullcontext(entries)
+
+    monkeypatch.setattr(os, "scandir", scandir_then_delete)
+    assert store.list() == {"shard-00001.safetensors": 2}

@@ -68,7 +68,11 @@ class LocalStorage:
         with os.scandir(base) as entries:
             for e in entries:
                 if e.is_file() and TMP_MARKER not in e.name:
-                    out[f"{prefix.rstrip('/')}/{e.name}" if prefix else e.name] = e.stat()
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue  # deleted since the directory was read (a released or quarantined shard): not there
+                    out[f"{prefix.rstrip('/')}/{e.name}" if prefix else e.name] = st
         return out
 
     def exists(self, name: str) -> bool:

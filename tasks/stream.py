@@ -10,9 +10,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
 from eyas.config import RunConfig
-from eyas.extract.plan import describe_extraction
 from eyas.extract.streamed import run_streamed_extraction
 from eyas.facts import RunFacts
+from eyas.shards.format import extraction_plan
 from eyas.shards.retention import RetentionWindow
 from eyas.train.preflight import stop_job
 from eyas.train.shard_use import shard_use, trained_through
@@ -25,7 +25,7 @@ STOP_POLL_S = 5.0  # between stop requests while the launch task has not ended
 
 def trainer_order(config: RunConfig, facts: RunFacts) -> list[int]:
     """Every planned shard once, in the order the training run first reads it (eyas.train.stream_order)."""
-    _, plan = describe_extraction(config.extract, facts, target_dtype=config.target.dtype)
+    plan = extraction_plan(config.extract, facts)
     return list(stream_order(plan, config.train, num_samples=facts.num_samples).shards)
 
 
@@ -57,8 +57,7 @@ def retention_window(config: RunConfig, facts: RunFacts) -> RetentionWindow | No
     size = config.extract.retention
     if size == "keep":
         return None
-    _, plan = describe_extraction(config.extract, facts, target_dtype=config.target.dtype)
-    use = shard_use(plan, config.train, num_samples=facts.num_samples)
+    use = shard_use(extraction_plan(config.extract, facts), config.train, num_samples=facts.num_samples)
     train_dir = config.paths.train_dir
     return RetentionWindow(facts.storage(), use, size=size, mode=config.verify.mode,
                            trained_through=lambda: trained_through(train_dir))  # fmt: skip
@@ -66,8 +65,7 @@ def retention_window(config: RunConfig, facts: RunFacts) -> RetentionWindow | No
 
 def smoke_shards(config: RunConfig, facts: RunFacts) -> list[int]:
     """The planned shards holding the first smoke.num_samples samples: those the smoke run reads."""
-    _, plan = describe_extraction(config.extract, facts, target_dtype=config.target.dtype)
-    return [p.index for p in plan if p.sample_start < config.smoke.num_samples]
+    return [p.index for p in extraction_plan(config.extract, facts) if p.sample_start < config.smoke.num_samples]
 
 
 def stop_training(config: RunConfig, training: PrefectFuture) -> None:

@@ -20,7 +20,7 @@ from eyas.config import ExtractConfig
 from eyas.facts import RunFacts
 from eyas.layer_ids import LAYER_ID_CONVENTION
 from eyas.shards.encoding import extract_encoding
-from eyas.shards.format import FORMAT_VERSION, ShardPlan, plan_shards, shard_filename
+from eyas.shards.format import FORMAT_VERSION, ShardPlan, extraction_plan, shard_filename
 from eyas.shards.manifest import compact_manifest, read_manifest
 from eyas.shards.retention import released_shards
 from eyas.shards.shard_set import ExtractConfigMismatchError, ExtractRunMeta, check_run_meta, quarantine_shards
@@ -31,9 +31,7 @@ def describe_extraction(
     cfg: ExtractConfig, facts: RunFacts, *, target_dtype: str = "float32"
 ) -> tuple[ExtractRunMeta, list[ShardPlan]]:
     """The run's parameters (what `extract.json` records) and its shard plan, without loading the target."""
-    enc = extract_encoding(cfg)
-    bpt = enc.bytes_per_token(hidden_size=facts.hidden_size, num_aux=facts.num_aux)
-    plan = plan_shards(facts.sample_lengths(), bpt, cfg.shard_bytes)
+    enc, plan = extract_encoding(cfg), extraction_plan(cfg, facts)
     run = ExtractRunMeta(
         format_version=FORMAT_VERSION,
         target_fingerprint=facts.target.fingerprint,

@@ -27,7 +27,7 @@ import torch
 
 from eyas.checksum import checksum_bytes
 from eyas.fsio import serialize_safetensors
-from eyas.shards.encoding import TOKEN_OVERHEAD_BYTES, ShardEncoding  # noqa: F401 (TOKEN_OVERHEAD_BYTES re-exported)
+from eyas.shards.encoding import TOKEN_OVERHEAD_BYTES, ShardEncoding, extract_encoding  # noqa: F401 (TOKEN_OVERHEAD_BYTES re-exported)
 from eyas.shards.manifest import ManifestRow
 from eyas.storage import Storage, as_storage
 
@@ -73,6 +73,15 @@ def plan_shards(num_tokens_per_sample: Sequence[int], bytes_per_token: int, shar
     if tokens:
         plans.append(ShardPlan(len(plans), start, len(num_tokens_per_sample), tokens))
     return plans
+
+
+def extraction_plan(extract_cfg, facts) -> list[ShardPlan]:
+    """The shard plan of an extraction (an ExtractConfig) over a run's facts (eyas.facts.RunFacts: the sample
+    lengths, hidden size and aux layer count): known before anything is extracted, so a streamed trainer's job
+    carries it too."""
+    bytes_per_token = extract_encoding(extract_cfg).bytes_per_token(hidden_size=facts.hidden_size,
+                                                                     num_aux=facts.num_aux)  # fmt: skip
+    return plan_shards(facts.sample_lengths(), bytes_per_token, extract_cfg.shard_bytes)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,7 @@ from typing import Callable
 from eyas.config import PlannedShard, RunConfig, StreamSource, TrainConfig, TrainJob
 from eyas.facts import RunFacts
 from eyas.fsio import atomic_write_text
-from eyas.shards.encoding import extract_encoding
-from eyas.shards.format import plan_shards
+from eyas.shards.format import extraction_plan
 from eyas.train.checkpoint import FINAL_FILE, latest_complete, read_trainer_state
 from eyas.train.data import total_steps
 from eyas.train.failure import TrainerFailure, clear_failures, describe_failures, first_failure, read_failures
@@ -92,11 +91,9 @@ def train_job(config: RunConfig, facts: RunFacts, output_dir: Path | None = None
 
 
 def stream_source(config: RunConfig, facts: RunFacts) -> StreamSource:
-    """What a streamed job reads: the extraction's shard plan (the one eyas.extract.plan.describe_extraction makes,
-    from the sample lengths and the shard size alone), each shard once a verdict of verify.mode names it."""
-    cfg = config.extract
-    bytes_per_token = extract_encoding(cfg).bytes_per_token(hidden_size=facts.hidden_size, num_aux=facts.num_aux)
-    plan = plan_shards(facts.sample_lengths(), bytes_per_token, cfg.shard_bytes)
+    """What a streamed job reads: the extraction's shard plan (eyas.shards.format.extraction_plan, the one
+    eyas.extract.plan.describe_extraction makes), each shard once a verdict of verify.mode names it."""
+    plan = extraction_plan(config.extract, facts)
     return StreamSource(
         verify_mode=config.verify.mode,
         plan=[
